@@ -1,0 +1,1 @@
+"""Exact training accounting for Megatron-style LLM training: THD-aware FLOPs, throughput, memory."""
