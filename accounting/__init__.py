@@ -1,1 +1,20 @@
 """Exact training accounting for Megatron-style LLM training: THD-aware FLOPs, throughput, memory."""
+
+from accounting.accumulator import FlopsAccumulator
+from accounting.flops import FlopsBreakdown, ModelShape, training_flops
+from accounting.memory import memory_report, reduce_max_memory
+from accounting.seqlens import SeqlenStats, seqlen_stats, validate_cu_seqlens
+from accounting.throughput import IntervalThroughput
+
+__all__ = [
+    "FlopsAccumulator",
+    "FlopsBreakdown",
+    "IntervalThroughput",
+    "ModelShape",
+    "SeqlenStats",
+    "memory_report",
+    "reduce_max_memory",
+    "seqlen_stats",
+    "training_flops",
+    "validate_cu_seqlens",
+]

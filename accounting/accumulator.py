@@ -1,0 +1,212 @@
+"""Per-step FLOPs bookkeeping: sync-free microbatch statistics, one DP reduce, exact counters.
+
+Usage per training step, on every rank:
+
+    acc = FlopsAccumulator(packed=True, dp_group=dp_group)   # once
+    for each microbatch:  acc.add_microbatch(cu_seqlens=..., cu_seqlens_padded=..., seq_len=...)
+    step_flops = acc.step(shape)                               # after the optimizer step
+
+Whether a collective runs is decided by configuration (`packed`, the group), identically on every
+rank, never by the data a rank happened to see: a rank with an empty pack (or no microbatch at all)
+still joins the all-reduce, so it cannot deadlock the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from accounting.flops import FlopsBreakdown, ModelShape, training_flops
+from accounting.seqlens import SeqlenStats, normalize_window, seqlen_stats, validate_cu_seqlens
+
+__all__ = ["FlopsAccumulator"]
+
+_COUNTERS = ("total_flops", "hardware_total_flops", "total_tokens", "total_padded_tokens", "steps")
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _group_size(group: Any) -> int:
+    return torch.distributed.get_world_size(group)
+
+
+def _reduce_device(group: Any) -> torch.device:
+    """The device a collective on `group` needs (NCCL only takes CUDA tensors)."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class FlopsAccumulator:
+    """Accumulates one step's sequence statistics and the run's cumulative FLOPs (exact ints).
+
+    `packed=True` (THD): each microbatch brings `cu_seqlens` (1-D or 2-D, either padding tail);
+    statistics stay on device and `resolve` sums them over the pure data-parallel group with one
+    int64 SUM all-reduce. With context parallelism, pass the DP group without CP: every CP rank of
+    a DP rank sees the same full `cu_seqlens` and must be counted once.
+    `packed=False` (BSHD): each microbatch is `micro_batch_size` x `seq_len` real tokens, identical
+    on every DP rank, so `resolve` multiplies by the DP size and runs no collective.
+    `validate=True` runs the syncing `validate_cu_seqlens` on every microbatch (debug mode).
+    """
+
+    def __init__(
+        self,
+        packed: bool,
+        *,
+        dp_group: Any = None,
+        dp_size: int | None = None,
+        window_size: int | tuple[int, int] | None = None,
+        recompute: str | None = None,
+        device: torch.device | str | None = None,
+        validate: bool = False,
+    ) -> None:
+        if not isinstance(packed, bool):
+            raise ValueError(f"packed = {packed!r} must be a bool, declared at construction")
+        self.packed = packed
+        self.dp_group = dp_group
+        self.dp_size = dp_size
+        self.window = normalize_window(window_size)
+        self.recompute = recompute
+        self.device = torch.device(device) if device is not None else None
+        self.validate = validate
+        self.total_flops = 0
+        self.hardware_total_flops = 0
+        self.total_tokens = 0
+        self.total_padded_tokens = 0
+        self.steps = 0
+        self.last_breakdown: FlopsBreakdown | None = None
+        self.last_stats: SeqlenStats | None = None
+        self._reset_microbatches()
+
+    def _reset_microbatches(self) -> None:
+        self._packed_sum: torch.Tensor | None = None  # int64 vector on the microbatches' device
+        self._dense = SeqlenStats.zeros(window_size=self.window)
+        self.num_microbatches = 0
+
+    def add_microbatch(
+        self,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        cu_seqlens_padded: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+        seq_len: int | None = None,
+        micro_batch_size: int | None = None,
+        vp_stage: int | None = None,
+    ) -> None:
+        """Adds one microbatch (sync-free). Only `vp_stage in (None, 0)` counts (VPP dedup).
+
+        Packed: `cu_seqlens` is required; the pack length of the linear layers is `seq_len` when
+        given (the configured, un-CP-sliced length), else `tokens.shape[-1]`. Dense: the batch is
+        `micro_batch_size` (else `tokens.shape[0]`) x `seq_len` (else `tokens.shape[1]`).
+        """
+        if vp_stage not in (None, 0):
+            return
+        if self.packed:
+            self._add_packed(cu_seqlens, cu_seqlens_padded, tokens, seq_len)
+        else:
+            self._add_dense(tokens, seq_len, micro_batch_size)
+        self.num_microbatches += 1
+
+    def _add_packed(self, cu_seqlens, cu_seqlens_padded, tokens, seq_len) -> None:
+        if cu_seqlens is None:
+            raise ValueError("add_microbatch: a packed FlopsAccumulator needs cu_seqlens on every microbatch")
+        pack_len = seq_len if seq_len is not None else (tokens.shape[-1] if tokens is not None else None)
+        if self.validate:
+            validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, pack_len=pack_len)
+        vec = seqlen_stats(
+            cu_seqlens, cu_seqlens_padded, window_size=self.window, pack_len=pack_len
+        ).to_vector()
+        self._packed_sum = vec if self._packed_sum is None else self._packed_sum + vec
+
+    def _add_dense(self, tokens, seq_len, micro_batch_size) -> None:
+        if micro_batch_size is None:
+            if tokens is None:
+                raise ValueError("add_microbatch: a dense FlopsAccumulator needs micro_batch_size or tokens")
+            micro_batch_size = tokens.shape[0]
+        if seq_len is None:
+            if tokens is None:
+                raise ValueError("add_microbatch: a dense FlopsAccumulator needs seq_len or tokens")
+            seq_len = tokens.shape[-1]
+        self._dense = self._dense + SeqlenStats.dense(
+            int(micro_batch_size), int(seq_len), window_size=self.window
+        )
+
+    def local_stats(self) -> SeqlenStats:
+        """This rank's statistics of the current step so far (no collective)."""
+        if not self.packed:
+            return self._dense
+        if self._packed_sum is None:
+            return SeqlenStats.zeros(window_size=self.window, device=self.device)
+        return SeqlenStats.from_vector(self._packed_sum, window=self.window)
+
+    def resolve(self, dp_group: Any = None, dp_size: int | None = None) -> SeqlenStats:
+        """Global-batch statistics: packed = one SUM all-reduce over `dp_group`; dense = local x DP size.
+
+        Packed mode with torch.distributed initialised and a world larger than one requires a
+        `dp_group` (here or at construction): defaulting to the world would over-count under
+        tensor, pipeline or context parallelism.
+        """
+        group = dp_group if dp_group is not None else self.dp_group
+        if not self.packed:
+            size = dp_size if dp_size is not None else self.dp_size
+            if size is None:
+                size = _group_size(group) if group is not None and _dist_ready() else 1
+            return self._dense.scaled(size)
+        local = self.local_stats()
+        if not _dist_ready():
+            return local
+        if group is None:
+            if torch.distributed.get_world_size() == 1:
+                return local
+            raise ValueError(
+                "FlopsAccumulator(packed=True).resolve: pass dp_group= (the pure data-parallel group, "
+                "without CP/TP/PP ranks); the default world group would over-count"
+            )
+        if _group_size(group) == 1:
+            return local
+        device = self.device if self.device is not None else _reduce_device(group)
+        vec = local.to_vector(device=device).contiguous()
+        torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM, group=group)
+        return SeqlenStats.from_vector(vec, window=self.window)
+
+    def step(
+        self,
+        shape: ModelShape,
+        *,
+        dp_group: Any = None,
+        dp_size: int | None = None,
+        recompute: str | None = None,
+    ) -> int:
+        """Resolves, adds this step's model FLOPs to `total_flops`, resets; returns the step's FLOPs."""
+        stats = self.resolve(dp_group=dp_group, dp_size=dp_size)
+        breakdown = training_flops(
+            shape, stats, recompute=recompute if recompute is not None else self.recompute
+        )
+        self.total_flops += breakdown.total
+        self.hardware_total_flops += breakdown.hardware_total
+        self.total_tokens += int(stats.tokens)
+        self.total_padded_tokens += int(stats.padded_tokens)
+        self.steps += 1
+        self.last_breakdown = breakdown
+        self.last_stats = stats
+        self._reset_microbatches()
+        return breakdown.total
+
+    def state_dict(self) -> dict[str, int]:
+        """The cumulative counters as Python ints (exact at any size; never float32)."""
+        return {name: getattr(self, name) for name in _COUNTERS}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the counters; accepts ints or integer-valued 0-d int64 tensors, rejects floats."""
+        for name in _COUNTERS:
+            value = state.get(name, 0)
+            if isinstance(value, torch.Tensor):
+                if value.dtype.is_floating_point or value.numel() != 1:
+                    raise ValueError(f"state_dict[{name!r}] must be an int, got a {value.dtype} tensor")
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"state_dict[{name!r}] = {value!r} must be an int (floats lose precision)")
+            setattr(self, name, value)

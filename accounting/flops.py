@@ -1,0 +1,281 @@
+"""Training FLOPs of a GPT-style decoder from its shape and the batch's sequence statistics.
+
+Conventions (those of Megatron-LM's `num_floating_point_operations`, which dense configurations
+reproduce exactly): 2 FLOPs per multiply-add; backward = 2x forward, so every term is 3x its
+forward cost; causal attention counts half of the s x s score and value products (s^2/2 pairs per
+document, i.e. the exact s(s+1)/2 minus half the diagonal); `causal=False` counts all s^2.
+A sliding window removes, per document, exactly the pairs outside it (see `accounting.seqlens`).
+
+Model FLOPs (`total`, the MFU numerator) use real tokens and real lengths. Hardware FLOPs
+(`hardware_total`) use the padded tokens and padded lengths the kernels execute, plus the forward
+pass that activation recomputation repeats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from accounting.seqlens import SeqlenStats, normalize_window
+
+__all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "training_flops"]
+
+# Term names of `FlopsBreakdown.terms`. The MTP layers' own attention and MLP are counted in the
+# attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection.
+TERMS = ("attention_projections", "core_attention", "mlp", "moe", "mtp", "logits")
+RECOMPUTE = (None, "full", "selective")
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} = {value!r} must be a positive int")
+    return value
+
+
+def _non_negative(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} = {value!r} must be an int >= 0")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """A GPT-style decoder; field names and defaults follow megatron-core's `TransformerConfig`.
+
+    Defaults are resolved on construction: `ffn_hidden_size` 4*hidden, `num_query_groups` heads,
+    `kv_channels` hidden/heads, `moe_ffn_hidden_size` ffn, `mtp_num_layers` 0; `moe_layer_freq`
+    becomes a tuple when given as a list; `window_size` becomes `(left, right)` or None.
+    `vocab_size` is the padded vocabulary the output layer multiplies by.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    ffn_hidden_size: int | None = None
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    gated_linear_unit: bool = False
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1
+    moe_latent_size: int | None = None
+    mtp_num_layers: int | None = None
+    window_size: int | tuple[int, int] | None = None
+    attention_output_gate: bool = False
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        def resolve(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        _positive("num_layers", self.num_layers)
+        _positive("hidden_size", self.hidden_size)
+        _positive("num_attention_heads", self.num_attention_heads)
+        _positive("vocab_size", self.vocab_size)
+        resolve(
+            "ffn_hidden_size", 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+        )
+        _positive("ffn_hidden_size", self.ffn_hidden_size)
+        if self.num_query_groups is None:
+            resolve("num_query_groups", self.num_attention_heads)
+        _positive("num_query_groups", self.num_query_groups)
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_query_groups = {self.num_query_groups} must divide "
+                f"num_attention_heads = {self.num_attention_heads}"
+            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"kv_channels is not given and hidden_size = {self.hidden_size} is not divisible by "
+                    f"num_attention_heads = {self.num_attention_heads}"
+                )
+            resolve("kv_channels", self.hidden_size // self.num_attention_heads)
+        _positive("kv_channels", self.kv_channels)
+        for flag in ("gated_linear_unit", "attention_output_gate", "causal"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} = {getattr(self, flag)!r} must be a bool")
+        resolve("mtp_num_layers", 0 if self.mtp_num_layers is None else self.mtp_num_layers)
+        _non_negative("mtp_num_layers", self.mtp_num_layers)
+        resolve("window_size", normalize_window(self.window_size))
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        freq = self.moe_layer_freq
+        if isinstance(freq, (list, tuple)):
+            freq = tuple(freq)
+            object.__setattr__(self, "moe_layer_freq", freq)
+        if self.num_moe_experts is None:
+            return
+        _positive("num_moe_experts", self.num_moe_experts)
+        _positive("moe_router_topk", self.moe_router_topk)
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(
+                f"moe_router_topk = {self.moe_router_topk} exceeds num_moe_experts = {self.num_moe_experts}"
+            )
+        _positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+        if self.moe_shared_expert_intermediate_size is not None:
+            _non_negative("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+        if self.moe_latent_size is not None:
+            _positive("moe_latent_size", self.moe_latent_size)
+        if isinstance(freq, tuple):
+            if len(freq) != self.num_layers or any(v not in (0, 1) or isinstance(v, float) for v in freq):
+                raise ValueError(
+                    f"moe_layer_freq = {list(freq)!r} must list one 0 or 1 per layer ({self.num_layers} layers)"
+                )
+        else:
+            _positive("moe_layer_freq", freq)
+
+    @property
+    def moe_layer_pattern(self) -> tuple[int, ...]:
+        """1 for each MoE layer, 0 for each dense-MLP layer (Megatron: layer i is MoE if i % freq == 0)."""
+        if self.num_moe_experts is None:
+            return (0,) * self.num_layers
+        if isinstance(self.moe_layer_freq, tuple):
+            return self.moe_layer_freq
+        return tuple(1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers))
+
+    @classmethod
+    def from_megatron(cls, config: Any, vocab_size: int, *, causal: bool = True) -> ModelShape:
+        """Builds a shape from a megatron-core `TransformerConfig` (duck-typed: nothing imported).
+
+        `vocab_size` must be the padded vocabulary. Configurations whose FLOPs this module does not
+        model (multi-latent attention, hybrid/linear attention layers) raise ValueError rather than
+        returning a silently wrong count.
+        """
+        if getattr(config, "multi_latent_attention", False):
+            raise ValueError("multi_latent_attention: MLA models are not supported by ModelShape")
+        if getattr(config, "experimental_attention_variant", None) not in (None, "", "none"):
+            raise ValueError(
+                f"experimental_attention_variant = {config.experimental_attention_variant!r} is not supported"
+            )
+        freq = getattr(config, "moe_layer_freq", 1)
+        window = getattr(config, "window_size", None)
+        return cls(
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            vocab_size=vocab_size,
+            ffn_hidden_size=config.ffn_hidden_size,
+            num_query_groups=getattr(config, "num_query_groups", None),
+            kv_channels=getattr(config, "kv_channels", None),
+            gated_linear_unit=bool(getattr(config, "gated_linear_unit", False)),
+            num_moe_experts=getattr(config, "num_moe_experts", None),
+            moe_router_topk=getattr(config, "moe_router_topk", 2),
+            moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None),
+            moe_shared_expert_intermediate_size=getattr(config, "moe_shared_expert_intermediate_size", None),
+            moe_layer_freq=tuple(freq) if isinstance(freq, (list, tuple)) else freq,
+            moe_latent_size=getattr(config, "moe_latent_size", None),
+            mtp_num_layers=getattr(config, "mtp_num_layers", None),
+            window_size=tuple(window) if isinstance(window, (list, tuple)) else window,
+            attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
+            causal=causal,
+        )
+
+
+@dataclass(frozen=True)
+class FlopsBreakdown:
+    """Forward + backward FLOPs of one global batch, as exact Python ints."""
+
+    total: int
+    hardware_total: int
+    terms: dict[str, int]
+    hardware_terms: dict[str, int] = field(default_factory=dict)
+    recompute: str | None = None
+
+
+def _per_token_forward(shape: ModelShape) -> dict[str, int]:
+    """Forward FLOPs per token of every term that is linear in the token count."""
+    h = shape.hidden_size
+    q = shape.kv_channels * shape.num_attention_heads
+    kv = shape.kv_channels * shape.num_query_groups
+    gate = q if shape.attention_output_gate else 0
+    glu = 3 if shape.gated_linear_unit else 2
+    pattern = shape.moe_layer_pattern
+    moe_layers = sum(pattern)
+    dense_layers = shape.num_layers - moe_layers
+    mtp = shape.mtp_num_layers
+    # MTP layers repeat the last decoder layer's kind (Megatron-LM's convention).
+    if pattern[-1]:
+        moe_layers += mtp
+    else:
+        dense_layers += mtp
+    attention_layers = shape.num_layers + mtp
+
+    if shape.num_moe_experts is None:
+        moe = 0
+    else:
+        topk, moe_ffn = shape.moe_router_topk, shape.moe_ffn_hidden_size
+        shared = shape.moe_shared_expert_intermediate_size or 0
+        if shape.moe_latent_size is None:
+            routed = h * moe_ffn * topk * glu
+        else:  # experts run in the latent space, plus the down and up projections to it
+            routed = shape.moe_latent_size * moe_ffn * topk * glu + 2 * h * shape.moe_latent_size
+        moe = 2 * moe_layers * (routed + h * shared * glu)
+    return {
+        "attention_projections": 2 * attention_layers * (h * (q + 2 * kv + gate) + q * h),
+        "mlp": 2 * dense_layers * h * shape.ffn_hidden_size * glu,
+        "moe": moe,
+        "mtp": 2 * mtp * (3 * h + 2 * h * h),
+        "logits": 2 * h * shape.vocab_size * (mtp + 1),
+    }
+
+
+def _core_attention_forward(shape: ModelShape, squared: int, left: int, right: int) -> int:
+    """Forward FLOPs of QK^T and AV over all layers: 4 * q per attended (query, key) pair."""
+    q = shape.kv_channels * shape.num_attention_heads
+    layers = shape.num_layers + shape.mtp_num_layers
+    if shape.causal:
+        # s^2/2 pairs per document, minus those left of the window: 4q * (Σs²/2 - L) = 2q * (Σs² - 2L).
+        return layers * 2 * q * (squared - 2 * left)
+    return layers * 4 * q * (squared - left - right)
+
+
+def _terms(shape: ModelShape, tokens: int, squared: int, left: int, right: int) -> dict[str, int]:
+    """Forward FLOPs of each term for the given sums."""
+    forward = {name: per_token * tokens for name, per_token in _per_token_forward(shape).items()}
+    forward["core_attention"] = _core_attention_forward(shape, squared, left, right)
+    return {name: forward[name] for name in TERMS}
+
+
+def training_flops(shape: ModelShape, stats: SeqlenStats, *, recompute: str | None = None) -> FlopsBreakdown:
+    """Forward + backward FLOPs of one global batch (reads the stats back: one sync per call).
+
+    `recompute="full"` adds to the hardware count the forward of every transformer layer term
+    (all but logits); `"selective"` adds the core-attention forward only (megatron's selective
+    recomputation). Model FLOPs never include recomputation.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute = {recompute!r}: expected one of {RECOMPUTE}")
+    if shape.window_size is not None and stats.window != shape.window_size:
+        raise ValueError(
+            f"shape.window_size = {shape.window_size} but the stats were computed for window "
+            f"{stats.window}: pass window_size={shape.window_size} to seqlen_stats / FlopsAccumulator"
+        )
+    v = stats.to_dict()
+    if shape.window_size is None:
+        v["beyond_left"] = v["beyond_right"] = v["padded_beyond_left"] = v["padded_beyond_right"] = 0
+    model_fwd = _terms(shape, v["tokens"], v["squared"], v["beyond_left"], v["beyond_right"])
+    hw_fwd = _terms(
+        shape, v["padded_tokens"], v["padded_squared"], v["padded_beyond_left"], v["padded_beyond_right"]
+    )
+    terms = {name: 3 * value for name, value in model_fwd.items()}
+    hardware_terms = {name: 3 * value for name, value in hw_fwd.items()}
+    if recompute == "full":
+        for name in TERMS:
+            if name != "logits":
+                hardware_terms[name] += hw_fwd[name]
+    elif recompute == "selective":
+        hardware_terms["core_attention"] += hw_fwd["core_attention"]
+    return FlopsBreakdown(
+        total=sum(terms.values()),
+        hardware_total=sum(hardware_terms.values()),
+        terms=terms,
+        hardware_terms=hardware_terms,
+        recompute=recompute,
+    )

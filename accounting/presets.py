@@ -1,0 +1,93 @@
+"""Published model shapes, by name, for the CLI and for tests that need a real-sized model.
+
+Vocabulary sizes are the padded sizes the output layer multiplies by. Reference totals (one
+sequence, GBS=1) from Megatron-Bridge's functional FLOPs test are listed where they exist; the
+presets reproduce them to 3 significant figures (an independent oracle, see unit/test_flops*).
+"""
+
+from __future__ import annotations
+
+from accounting.flops import ModelShape
+
+__all__ = ["PRESETS", "REFERENCE_TOTALS", "preset"]
+
+PRESETS: dict[str, ModelShape] = {
+    # GPT-3 175B: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (96 layers,
+    # d_model 12288, 96 heads, d_ff = 4 d_model); vocab 50257 padded to a multiple of 128 = 50304
+    # (Megatron-LM's --make-vocab-size-divisible-by 128). Context 2048.
+    "gpt3-175b": ModelShape(
+        num_layers=96, hidden_size=12288, ffn_hidden_size=49152, num_attention_heads=96, vocab_size=50304
+    ),
+    # Llama 3 8B: meta-llama/Meta-Llama-3-8B config.json (32 layers, hidden 4096, intermediate 14336,
+    # 32 heads, 8 KV heads, vocab 128256, SwiGLU).
+    "llama3-8b": ModelShape(
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=128,
+        vocab_size=128256,
+        gated_linear_unit=True,
+    ),
+    # Llama 3 70B: meta-llama/Meta-Llama-3-70B config.json (80 layers, hidden 8192, intermediate
+    # 28672, 64 heads, 8 KV heads, vocab 128256, SwiGLU).
+    "llama3-70b": ModelShape(
+        num_layers=80,
+        hidden_size=8192,
+        ffn_hidden_size=28672,
+        num_attention_heads=64,
+        num_query_groups=8,
+        kv_channels=128,
+        vocab_size=128256,
+        gated_linear_unit=True,
+    ),
+    # Qwen3-30B-A3B: Qwen/Qwen3-30B-A3B config.json (48 layers, hidden 2048, 32 heads, 4 KV heads,
+    # head_dim 128, 128 experts, 8 routed per token, moe_intermediate_size 768, every layer MoE,
+    # no shared expert, vocab 151936, SwiGLU).
+    "qwen3-30b-a3b": ModelShape(
+        num_layers=48,
+        hidden_size=2048,
+        ffn_hidden_size=6144,
+        num_attention_heads=32,
+        num_query_groups=4,
+        kv_channels=128,
+        vocab_size=151936,
+        gated_linear_unit=True,
+        num_moe_experts=128,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=768,
+    ),
+    # Qwen3-235B-A22B: Qwen/Qwen3-235B-A22B config.json (94 layers, hidden 4096, 64 heads, 4 KV
+    # heads, head_dim 128, 128 experts, 8 routed, moe_intermediate_size 1536, vocab 151936).
+    "qwen3-235b-a22b": ModelShape(
+        num_layers=94,
+        hidden_size=4096,
+        ffn_hidden_size=12288,
+        num_attention_heads=64,
+        num_query_groups=4,
+        kv_channels=128,
+        vocab_size=151936,
+        gated_linear_unit=True,
+        num_moe_experts=128,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=1536,
+    ),
+}
+
+# (preset, sequence length) -> FLOPs of one sequence, as pinned by Megatron-Bridge's
+# tests/functional_tests/test_groups/utils/test_flop_utils.py (3 significant figures).
+REFERENCE_TOTALS: dict[tuple[str, int], float] = {
+    ("llama3-8b", 8192): 4.22e14,
+    ("llama3-70b", 8192): 3.68e15,
+    ("qwen3-30b-a3b", 4096): 9.42e13,
+    ("qwen3-235b-a22b", 4096): 6.06e14,
+}
+
+
+def preset(name: str) -> ModelShape:
+    """The preset called `name`; ValueError listing the known names otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})") from None

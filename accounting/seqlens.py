@@ -1,0 +1,305 @@
+"""Sequence-length statistics of packed (THD) batches, computed on device without host syncs.
+
+A packed micro-batch is described by `cu_seqlens`, the cumulative document boundaries
+`[0, s0, s0+s1, ...]`, either 1-D `[n+1]` or 2-D `[micro_batch, n+1]`. Two tail-padding
+conventions are in use upstream and both are accepted here: a `-1` sentinel tail (legacy
+Megatron-Bridge collate) and a repeated-last-value tail (zero-length segments, current collate and
+CUDA graphs). `seqlen_stats` never reads a value back to the host; `validate_cu_seqlens` is the
+separate, syncing check for debug mode and tests.
+
+Window convention (shared with `accounting.flops`): `window_size` is `(left, right)` as in
+megatron-core / flash-attention, `-1` meaning unbounded; query `i` may see key `j` only when
+`i - left <= j <= i + right`. An int `w` means `(w, 0)`. The statistics carry, per side, the exact
+number of (query, key) pairs of each document that fall outside the window, summed over documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["SeqlenStats", "normalize_window", "seqlen_stats", "validate_cu_seqlens"]
+
+Window = tuple[int, int]
+
+
+def normalize_window(window_size: int | tuple[int, int] | list[int] | None) -> Window | None:
+    """`window_size` as `(left, right)` with -1 for unbounded, or None when no side is bounded."""
+    if window_size is None:
+        return None
+    if isinstance(window_size, bool):
+        raise ValueError(f"window_size = {window_size!r}: expected an int or a (left, right) pair of ints")
+    if isinstance(window_size, int):
+        window_size = (window_size, 0)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"window_size = {window_size!r}: expected an int or a (left, right) pair of ints"
+        ) from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(
+                f"window_size = {tuple(window_size)!r}: the {side} size must be an int >= 0, or -1 for unbounded"
+            )
+    if left == -1 and right == -1:
+        return None
+    return (left, right)
+
+
+def _pairs_beyond(lengths: torch.Tensor, side: int) -> torch.Tensor:
+    """Sum over documents of the (query, key) pairs more than `side` positions apart in one direction."""
+    if side < 0:
+        return lengths.new_zeros((), dtype=torch.int64)
+    # A document of length s has m = s - 1 - side queries with keys beyond the window,
+    # contributing 1 + 2 + ... + m = m (m + 1) / 2 pairs (m (m + 1) is always even).
+    m = torch.clamp(lengths - (1 + side), min=0)
+    return torch.div(m * (m + 1), 2, rounding_mode="floor").sum()
+
+
+def _int_python_pairs_beyond(length: int, side: int) -> int:
+    """Python-int twin of `_pairs_beyond` for one document (used by the dense constructor)."""
+    if side < 0:
+        return 0
+    m = max(0, length - 1 - side)
+    return m * (m + 1) // 2
+
+
+@dataclass(frozen=True, eq=False)
+class SeqlenStats:
+    """Sums over the documents of a batch, as 0-d int64 tensors (exact; `int()` them to read).
+
+    `tokens`/`squared` count real tokens (Σsᵢ, Σsᵢ²): the model-FLOPs numerator. The `padded_*`
+    fields count what the kernels execute: `padded_tokens` is every token slot the linear layers
+    see (the whole pack when its length is known), `padded_squared` sums the squared padded
+    segment lengths the attention kernel runs over. `beyond_left`/`beyond_right` count pairs outside
+    `window` (zero when `window` is None).
+    """
+
+    num_sequences: torch.Tensor
+    tokens: torch.Tensor
+    squared: torch.Tensor
+    padded_tokens: torch.Tensor
+    padded_squared: torch.Tensor
+    beyond_left: torch.Tensor
+    beyond_right: torch.Tensor
+    padded_beyond_left: torch.Tensor
+    padded_beyond_right: torch.Tensor
+    window: Window | None = None
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The tensor fields, in the order `to_vector` lays them out."""
+        return tuple(f.name for f in fields(cls) if f.name != "window")
+
+    @classmethod
+    def dense(
+        cls, batch: int, seq_len: int, *, window_size: int | tuple[int, int] | None = None
+    ) -> SeqlenStats:
+        """The BSHD case: `batch` sequences of `seq_len` real tokens each (no padding)."""
+        for name, value in (("batch", batch), ("seq_len", seq_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"SeqlenStats.dense: {name} = {value!r} must be an int >= 0")
+        window = normalize_window(window_size)
+        left = _int_python_pairs_beyond(seq_len, window[0]) if window else 0
+        right = _int_python_pairs_beyond(seq_len, window[1]) if window else 0
+        num = batch if seq_len > 0 else 0
+        values = (num, batch * seq_len, batch * seq_len * seq_len)
+        return cls._from_ints(values + values[1:] + (batch * left, batch * right) * 2, window)
+
+    @classmethod
+    def zeros(cls, *, window_size: int | tuple[int, int] | None = None, device=None) -> SeqlenStats:
+        """Statistics of nothing: the neutral element of `+`."""
+        vec = torch.zeros(len(cls.field_names()), dtype=torch.int64, device=device)
+        return cls.from_vector(vec, window=normalize_window(window_size))
+
+    @classmethod
+    def _from_ints(cls, values: tuple[int, ...], window: Window | None) -> SeqlenStats:
+        return cls(*(torch.tensor(v, dtype=torch.int64) for v in values), window=window)
+
+    @classmethod
+    def from_vector(cls, vec: torch.Tensor, *, window: Window | None = None) -> SeqlenStats:
+        """Inverse of `to_vector`: one int64 vector back into named fields."""
+        names = cls.field_names()
+        if vec.shape != (len(names),):
+            raise ValueError(
+                f"SeqlenStats.from_vector: expected shape ({len(names)},), got {tuple(vec.shape)}"
+            )
+        return cls(*vec.to(torch.int64).unbind(0), window=window)
+
+    def to_vector(self, device=None) -> torch.Tensor:
+        """All fields as one int64 vector (for a single all-reduce)."""
+        device = device if device is not None else self.tokens.device
+        return torch.stack(
+            [getattr(self, n).to(device=device, dtype=torch.int64) for n in self.field_names()]
+        )
+
+    def __add__(self, other: SeqlenStats) -> SeqlenStats:
+        if not isinstance(other, SeqlenStats):
+            return NotImplemented
+        if self.window != other.window:
+            raise ValueError(f"cannot add SeqlenStats computed for windows {self.window} and {other.window}")
+        summed = (getattr(self, n) + getattr(other, n) for n in self.field_names())
+        return SeqlenStats(*summed, window=self.window)
+
+    def scaled(self, factor: int) -> SeqlenStats:
+        """Every sum multiplied by `factor` (dense data parallelism: identical shapes on each rank)."""
+        return SeqlenStats(*(getattr(self, n) * factor for n in self.field_names()), window=self.window)
+
+    def to_dict(self) -> dict[str, int]:
+        """The sums as exact Python ints (syncs with the device once per field)."""
+        return {n: int(getattr(self, n)) for n in self.field_names()}
+
+
+def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:
+    """2-D view of a 1-D or 2-D boundary tensor; rejects what metadata alone shows to be wrong."""
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise ValueError(
+            f"{name} has dtype {cu.dtype}: boundaries must be an integer tensor (int32 or int64)"
+        )
+    if cu.dim() not in (1, 2):
+        raise ValueError(
+            f"{name} has {cu.dim()} dimensions (shape {list(cu.shape)}): expected [n+1] or [micro_batch, n+1]"
+        )
+    if cu.shape[-1] < 1:
+        raise ValueError(f"{name} has shape {list(cu.shape)}: each row needs at least the leading 0")
+    return cu if cu.dim() == 2 else cu.unsqueeze(0)
+
+
+def _segment_lengths(rows: torch.Tensor) -> torch.Tensor:
+    """Segment lengths as int64, with either padding tail turned into zero-length segments.
+
+    The running maximum replaces every `-1` sentinel by the last real boundary, so the tail's
+    differences are 0; a repeated-value tail is left as it is. No boolean indexing, no sync.
+    """
+    running = torch.cummax(rows.to(torch.int64), dim=-1).values
+    return running[..., 1:] - running[..., :-1]
+
+
+def seqlen_stats(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    *,
+    window_size: int | tuple[int, int] | None = None,
+    pack_len: int | None = None,
+) -> SeqlenStats:
+    """Per-batch sums of a packed batch, sync-free (runs on `device="meta"` tensors too).
+
+    `cu_seqlens` holds the real document boundaries; `cu_seqlens_padded` (same shape) the padded
+    ones the attention kernel runs over (TE's `cu_seqlens_q_padded`), defaulting to the real ones.
+    `pack_len`, when given, is the token length of each row as the linear layers see it; then
+    `padded_tokens = rows * pack_len` (trailing slots after the last document included).
+    Malformed input is not detected here: call `validate_cu_seqlens` in debug mode.
+    """
+    window = normalize_window(window_size)
+    real = _segment_lengths(_as_rows(cu_seqlens, "cu_seqlens"))
+    if cu_seqlens_padded is None:
+        padded = real
+    else:
+        padded_rows = _as_rows(cu_seqlens_padded, "cu_seqlens_padded")
+        if padded_rows.shape[0] != real.shape[0]:
+            raise ValueError(
+                f"cu_seqlens_padded has {padded_rows.shape[0]} rows but cu_seqlens has {real.shape[0]}"
+            )
+        padded = _segment_lengths(padded_rows).to(real.device)
+    if pack_len is None:
+        padded_tokens = padded.sum()
+    else:
+        if isinstance(pack_len, bool) or not isinstance(pack_len, int) or pack_len < 0:
+            raise ValueError(f"pack_len = {pack_len!r} must be an int >= 0")
+        # A fill kernel, not a host-to-device copy: stays sync-free on CUDA.
+        padded_tokens = torch.full((), real.shape[0] * pack_len, dtype=torch.int64, device=real.device)
+    left, right = window if window is not None else (-1, -1)
+    return SeqlenStats(
+        num_sequences=(real > 0).sum(),
+        tokens=real.sum(),
+        squared=(real * real).sum(),
+        padded_tokens=padded_tokens,
+        padded_squared=(padded * padded).sum(),
+        beyond_left=_pairs_beyond(real, left),
+        beyond_right=_pairs_beyond(real, right),
+        padded_beyond_left=_pairs_beyond(padded, left),
+        padded_beyond_right=_pairs_beyond(padded, right),
+        window=window,
+    )
+
+
+def _where(name: str, row: int, col: int, two_d: bool) -> str:
+    return f"{name}[{row}, {col}]" if two_d else f"{name}[{col}]"
+
+
+def _check_rows(cu: torch.Tensor, name: str, pack_len: int | None) -> list[list[int]]:
+    """Validates one boundary tensor and returns its rows with the padding tail resolved."""
+    rows = _as_rows(cu, name)
+    two_d = cu.dim() == 2
+    resolved = []
+    for r, row in enumerate(rows.tolist()):
+        at = lambda c, r=r: _where(name, r, c, two_d)  # noqa: E731
+        if row[0] != 0:
+            raise ValueError(f"{at(0)} = {row[0]}: the first boundary must be 0")
+        tail_start = None
+        out = [0]
+        for c in range(1, len(row)):
+            value = row[c]
+            if value == -1:
+                if tail_start is None:
+                    tail_start = c
+                out.append(out[-1])
+                continue
+            if value < 0:
+                raise ValueError(f"{at(c)} = {value} is negative: only -1 may mark the padding tail")
+            if tail_start is not None:
+                raise ValueError(
+                    f"{at(c)} = {value} follows the -1 padding tail that starts at {at(tail_start)}: "
+                    "the -1 tail must run to the end of the row"
+                )
+            if value < row[c - 1]:
+                raise ValueError(
+                    f"{at(c)} = {value} is smaller than {at(c - 1)} = {row[c - 1]}: "
+                    "boundaries must not decrease before the padding tail"
+                )
+            out.append(value)
+        if pack_len is not None and out[-1] > pack_len:
+            last = tail_start - 1 if tail_start is not None else len(row) - 1
+            raise ValueError(
+                f"{at(last)} = {out[-1]} exceeds the pack length {pack_len}: more tokens than the pack holds"
+            )
+        resolved.append(out)
+    return resolved
+
+
+def validate_cu_seqlens(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    *,
+    pack_len: int | None = None,
+) -> None:
+    """Raises ValueError saying what is wrong and where; syncs (debug mode and tests only).
+
+    Checks: integer dtype, 1-D or 2-D, first boundary 0, no negative value except a `-1` tail
+    that runs to the end, no decrease before the tail, last boundary within `pack_len`, and for
+    `cu_seqlens_padded`: same shape, and no real document longer than its padded segment.
+    """
+    real = _check_rows(cu_seqlens, "cu_seqlens", pack_len)
+    if cu_seqlens_padded is None:
+        return
+    padded = _check_rows(cu_seqlens_padded, "cu_seqlens_padded", pack_len)
+    if tuple(cu_seqlens_padded.shape) != tuple(cu_seqlens.shape):
+        raise ValueError(
+            f"cu_seqlens_padded has shape {list(cu_seqlens_padded.shape)} but cu_seqlens has shape "
+            f"{list(cu_seqlens.shape)}: they must describe the same segments"
+        )
+    two_d = cu_seqlens.dim() == 2
+    for r, (real_row, padded_row) in enumerate(zip(real, padded, strict=True)):
+        for c in range(1, len(real_row)):
+            got = real_row[c] - real_row[c - 1]
+            room = padded_row[c] - padded_row[c - 1]
+            if got > room:
+                span = f"[{r}, {c - 1}:{c + 1}]" if two_d else f"[{c - 1}:{c + 1}]"
+                raise ValueError(
+                    f"segment {c - 1}{f' of row {r}' if two_d else ''} has {got} real tokens but only {room} "
+                    f"padded slots (cu_seqlens{span} vs cu_seqlens_padded{span})"
+                )
