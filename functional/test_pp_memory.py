@@ -364,7 +364,7 @@ def _check_scenario(scenario: PPScenario, tmp_path: Path) -> dict:
         assert all(
             c.endswith(str(group if res["rank"] in group else res["pp_group_ranks"])) for c in log_calls
         )
-    for res_on, res_off in zip(on, off):
+    for res_on, res_off in zip(on, off, strict=True):
         assert res_off["calls"].get("log", []) == []  # logging disabled: no collective at all
         assert res_off["calls"].get("train") == res_on["calls"].get("train")
         assert res_on["calls"].get("size_one", []) == [] and res_on["size_one_noop"]
