@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("-h", "--help"):
         print(USAGE)
         return 0
-    print(f"python -m ci: unknown command {command!r}: expected 'job' or 'repro'\n{USAGE}", file=sys.stderr)
+    print(f"python -m ci: unknown command {command!r}: expected 'job' or 'repro' (--help)", file=sys.stderr)
     return 2
 
 

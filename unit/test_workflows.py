@@ -18,6 +18,8 @@ import yaml
 
 from ci.jobs import JOBS, ROOT, Job, pytest_args
 
+pytestmark = pytest.mark.L0
+
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW_FILES = sorted(WORKFLOWS.glob("*.yml"))
 GITHUB_LABELS = {"self-hosted", "linux", "x64", "arm64", "ubuntu-latest", "ubuntu-24.04", "ubuntu-22.04"}

@@ -1,0 +1,242 @@
+"""`python -m ci repro`: run a tier, or the failures of a CI report, the way the CI job ran them.
+
+The job is a row of `ci/jobs.py` (the CPU row, or the GPU row with `--gpus N`): its pytest
+arguments, its environment and its memory limits, with the runner's memory applied to the whole
+run (`ci/limits.py`). pytest's own progress streams through; afterwards the output leads with one
+verdict per failed test (rank, oom | error | crash | hang, first error line, peak memory against
+the budget). With `--from-report` it reruns exactly the node ids that failed in a CI report (same
+ids, so the launcher derives the same seeds; same tests, so the same world sizes) and prints the
+CI verdict next to the local one.
+
+Bad arguments (unknown tier, unparsable size, unusable report) are a one-line error and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ci.jobs import DEVICE_MEMORY_ENV, HOST_MEMORY_ENV, ROOT, TIERS, Job, job_for, pytest_args
+from ci.limits import METHODS, apply_memory_limit
+from ci.verdicts import (
+    ReportError,
+    failed_tests,
+    format_comparison,
+    format_verdicts,
+    load_report,
+    tests_by_id,
+    verdict,
+)
+from fixtures.budgets import format_size, parse_size
+
+PROG = "python -m ci repro"
+
+
+class UsageError(Exception):
+    """A bad command line or input file: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; `--help` shows it."""
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("tier", nargs="?", help="L0, L1 or L2 (default: the report's tier, else L0)")
+    p.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression")
+    p.add_argument("--gpus", type=int, metavar="N", help="emulate the GPU job with N GPUs (default: CPU job)")
+    p.add_argument(
+        "--host-memory", metavar="SIZE", help="the runner's memory for the whole run (default: the job's)"
+    )
+    p.add_argument(
+        "--device-memory", metavar="SIZE", help="per-GPU memory of the CI card (default: the job's)"
+    )
+    p.add_argument(
+        "--from-report", metavar="JSON", help="rerun the tests that failed in this kit-report.json"
+    )
+    p.add_argument("--reports", metavar="DIR", help="where the local report goes (default: reports/repro)")
+    p.add_argument("--root", metavar="DIR", default=str(ROOT), help="the project to test (default: this one)")
+    p.add_argument("--limit-method", choices=("auto", *METHODS), default="auto", help="how to cap the run")
+    p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+    p.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
+    return p
+
+
+def _size(text: str | None, flag: str) -> int | None:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+def _gpus_of(session: dict[str, Any]) -> int:
+    gpus = session.get("gpus")
+    if isinstance(gpus, list):
+        return len(gpus)
+    return gpus if isinstance(gpus, int) and not isinstance(gpus, bool) else 0
+
+
+def _visible_gpus() -> int:
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return 0
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
+
+
+def environment(job: Job, reports: Path, gpus: int, host: str | None, device: str | None) -> dict[str, str]:
+    """The job's variables over ours, with the requested limits and the GPUs the job has."""
+    env = {**os.environ, **job.environment(reports)}
+    env.pop("KIT_SEED", None)  # seeds come from the node ids, as in CI
+    if host is not None:
+        env[HOST_MEMORY_ENV] = host
+    if device is not None:
+        env[DEVICE_MEMORY_ENV] = device
+    if gpus > 0 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+    return env
+
+
+def _clean(reports: Path) -> None:
+    """Drop the previous run's outputs so a run that writes none is not read as this run's."""
+    for name in ("kit-report.json", "kit-report.md", "junit.xml"):
+        (reports / name).unlink(missing_ok=True)
+    shutil.rmtree(reports / "logs", ignore_errors=True)
+    reports.mkdir(parents=True, exist_ok=True)
+
+
+def _say(text: str) -> None:
+    print(f"ci repro: {text}", flush=True)
+
+
+def run(argv: list[str]) -> int:
+    """Parse, run pytest under the job's limits, print the verdicts; the exit code of the run."""
+    args = build_parser().parse_args(argv)
+    if args.tier is not None and args.tier not in TIERS:
+        raise UsageError(f"unknown tier {args.tier!r}: expected one of {', '.join(TIERS)}")
+    if args.gpus is not None and args.gpus < 0:
+        raise UsageError(f"--gpus must be 0 or more, got {args.gpus}")
+    host_bytes = _size(args.host_memory, "--host-memory")
+    _size(args.device_memory, "--device-memory")
+    root = Path(args.root).resolve()
+    if not root.is_dir():
+        raise UsageError(f"--root {args.root} is not a directory")
+
+    ci_failed: list[dict[str, Any]] = []
+    source = None
+    tier, gpus = args.tier, args.gpus
+    if args.from_report:
+        try:
+            ci_report = load_report(args.from_report)
+        except ReportError as exc:
+            raise UsageError(str(exc)) from None
+        ci_failed = failed_tests(ci_report)
+        session = ci_report.get("session", {})
+        if tier is None and session.get("markexpr") in TIERS:
+            tier = session["markexpr"]
+        if gpus is None:
+            gpus = _gpus_of(session)
+        if not ci_failed:
+            _say(f"no failed tests in {args.from_report}: nothing to rerun")
+            return 0
+        source = f"{len(ci_failed)} failed test(s) from {args.from_report}"
+    job = job_for(tier or "L0", gpus or 0)
+    gpus = gpus if gpus is not None else job.gpus
+    reports = Path(args.reports).resolve() if args.reports else root / "reports" / "repro"
+    host = args.host_memory or job.host_memory
+    device = args.device_memory or job.device_memory
+    host_bytes = host_bytes if host_bytes is not None else _size(host, "host memory")
+
+    command = [sys.executable, "-m", "pytest", *pytest_args(job, reports)]
+    if args.keyword:
+        command += ["-k", args.keyword]
+    command += [test["nodeid"] for test in ci_failed]
+    command += args.pytest_args
+    env = environment(job, reports, gpus, host, device)
+
+    _say(
+        f"job {job.name} (tier {job.tier}, runs-on {', '.join(job.runs_on)}){': ' + source if source else ''}"
+    )
+    _say(f"per-GPU memory {device or '-'}; GPUs {gpus} (visible here: {_visible_gpus()})")
+    if args.dry_run:
+        changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        _say("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items())))
+        _say(shlex.join(command))
+        return 0
+
+    try:
+        limit = apply_memory_limit(host_bytes, args.limit_method)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise UsageError(f"--limit-method {args.limit_method}: {exc}") from None
+    _say(f"runner memory: {limit.describe()}")
+    _say(shlex.join(command))
+    _clean(reports)
+    try:
+        completed = subprocess.run(limit.wrap(command), cwd=root, env=env, check=False)
+        returncode = completed.returncode
+    finally:
+        peak, kills = limit.peak_bytes(), limit.oom_kills()
+        limit.close()
+
+    print(flush=True)
+    _say("=" * 30 + " verdicts " + "=" * 30)
+    report_path = reports / "kit-report.json"
+    try:
+        local = load_report(report_path)
+    except ReportError as exc:
+        _say(f"pytest exited with {returncode} and left no usable report ({exc})")
+        local = None
+    if local is not None:
+        here = {nodeid: verdict(test) for nodeid, test in tests_by_id(local).items()}
+        if ci_failed:
+            print(format_comparison([verdict(test) for test in ci_failed], here), flush=True)
+        else:
+            failed = [verdict(test) for test in failed_tests(local)]
+            counts = _counts(local)
+            print(format_verdicts(failed) if failed else f"no failures ({counts})", flush=True)
+    if limit.limit_bytes is not None:
+        usage = (
+            f"peak {format_size(peak)} of {format_size(limit.limit_bytes)}"
+            if peak is not None
+            else "peak not measured"
+        )
+        killed = f", kernel OOM kills {kills}" if kills is not None else ""
+        _say(f"runner memory ({limit.method}): {usage}{killed}")
+    _say(f"report {reports / 'kit-report.md'}, rank logs {reports / 'logs'}")
+    if local is not None and failed_tests(local):
+        _say(f"again: {PROG} --from-report {report_path}")
+    if returncode == 5:
+        _say("pytest collected no tests: that is a failure here, as in CI")
+        return 1
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _counts(report: dict[str, Any]) -> str:
+    counts: dict[str, int] = {}
+    for test in tests_by_id(report).values():
+        counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
+    return ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no tests"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m ci repro`; usage errors are one line on stderr and exit code 2."""
+    try:
+        return run(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

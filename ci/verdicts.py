@@ -1,0 +1,179 @@
+"""Reads a kit report (`reports/kit-report.json`) and states, per failed test, what went wrong.
+
+The report is written by the plugin (`fixtures/report.py`); its field names are agreed in the CI
+issue. A verdict is the line a developer needs first: which test, which rank, `oom | error |
+crash | hang`, the first error line, and the peak memory against the budget. Reading is strict
+about what it needs (a report that cannot be used is a `ReportError` with one line saying why) and
+lenient about the rest (missing optional fields print as "-").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fixtures.budgets import format_size
+
+REPORT_VERSION = 1
+FAILED = ("failed", "error")
+
+
+class ReportError(ValueError):
+    """A report that is missing, not JSON, or not a version-1 kit report."""
+
+
+def load_report(path: Path | str) -> dict[str, Any]:
+    """The parsed report, checked for the fields `repro` relies on."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ReportError(f"cannot read report {path}: {exc.strerror or exc}") from None
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(report, dict) or report.get("version") != REPORT_VERSION:
+        found = report.get("version") if isinstance(report, dict) else type(report).__name__
+        raise ReportError(f"{path} is not a version-{REPORT_VERSION} kit report (version: {found!r})")
+    tests = report.get("tests")
+    if not isinstance(tests, list):
+        raise ReportError(f"{path} has no 'tests' list")
+    for index, test in enumerate(tests):
+        if not isinstance(test, dict) or not isinstance(test.get("nodeid"), str) or "outcome" not in test:
+            raise ReportError(f"{path}: tests[{index}] has no 'nodeid' and 'outcome'")
+    if not isinstance(report.get("session", {}), dict):
+        raise ReportError(f"{path}: 'session' is not an object")
+    return report
+
+
+def failed_tests(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's failed and errored tests, in report order, each node id once."""
+    seen: dict[str, dict[str, Any]] = {}
+    for test in report["tests"]:
+        if test["outcome"] in FAILED and test["nodeid"] not in seen:
+            seen[test["nodeid"]] = test
+    return list(seen.values())
+
+
+def tests_by_id(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Node id -> test entry; a failed phase (setup/teardown error) wins over a passed one."""
+    out: dict[str, dict[str, Any]] = {}
+    for test in report["tests"]:
+        if test["nodeid"] not in out or test["outcome"] in FAILED:
+            out[test["nodeid"]] = test
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a report says about one test, reduced to what a person reads first."""
+
+    nodeid: str
+    outcome: str
+    rank: int | None
+    kind: str | None
+    first_line: str
+    peak_host: int | None
+    budget_host: int | None
+    peak_device: int | None
+    budget_device: int | None
+    world_size: int | None
+    seed: int | None
+
+    @property
+    def cause(self) -> str:
+        """``"rank 1 oom"``, ``"error"`` (a failure in the pytest process), ``"passed"``..."""
+        if self.outcome not in FAILED:
+            return self.outcome
+        kind = self.kind or "error"
+        return f"rank {self.rank} {kind}" if self.rank is not None else kind
+
+    def memory(self) -> str:
+        """``"host 1.62 GiB / 1.50 GiB"`` (peak / budget), device too when either is known."""
+        parts = [f"host {format_size(self.peak_host)} / {format_size(self.budget_host)}"]
+        if self.peak_device is not None or self.budget_device is not None:
+            parts.append(f"device {format_size(self.peak_device)} / {format_size(self.budget_device)}")
+        return ", ".join(parts)
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def verdict(test: dict[str, Any]) -> Verdict:
+    """The verdict of one report entry; the failing rank's peaks when the failure names a rank."""
+    failure = test.get("failure") if isinstance(test.get("failure"), dict) else None
+    rank = _int(failure.get("rank")) if failure else None
+    peak_host, peak_device = _int(test.get("peak_host_bytes")), _int(test.get("peak_device_bytes"))
+    for row in test.get("ranks") or []:
+        if isinstance(row, dict) and rank is not None and row.get("rank") == rank:
+            peak_host = _int(row.get("peak_host_bytes")) or peak_host
+            peak_device = _int(row.get("peak_device_bytes")) or peak_device
+    first_line = ""
+    if failure:
+        first_line = str(failure.get("first_line") or "").strip()
+        if not first_line:
+            first_line = next(
+                (ln.strip() for ln in str(failure.get("message") or "").splitlines() if ln.strip()), ""
+            )
+    kind = str(failure["kind"]) if failure and failure.get("kind") else None
+    # The launcher's first line repeats the cause ("rank 1 oom: ..."), which the verdict states already.
+    prefix = f"rank {rank} {kind}: "
+    if first_line.startswith(prefix):
+        first_line = first_line[len(prefix) :]
+    return Verdict(
+        nodeid=test["nodeid"],
+        outcome=str(test["outcome"]),
+        rank=rank,
+        kind=kind,
+        first_line=first_line,
+        peak_host=peak_host,
+        budget_host=_int(test.get("budget_host_bytes")),
+        peak_device=peak_device,
+        budget_device=_int(test.get("budget_device_bytes")),
+        world_size=_int(test.get("world_size")),
+        seed=_int(test.get("seed")),
+    )
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_verdicts(verdicts: list[Verdict], width: int = 160) -> str:
+    """One block per failed test: the cause on the first line, the error and the memory below."""
+    lines = []
+    for v in verdicts:
+        lines.append(f"FAILED {v.nodeid}: {v.cause}")
+        if v.first_line:
+            lines.append(f"    {_clip(v.first_line, width)}")
+        lines.append(f"    peak/budget: {v.memory()}; world size {v.world_size or '-'}, seed {v.seed}")
+    return "\n".join(lines)
+
+
+def format_comparison(ci: list[Verdict], local: dict[str, Verdict], width: int = 160) -> str:
+    """For each test that failed in CI: the CI verdict next to the local one, then what differs."""
+    lines = []
+    for v in ci:
+        here = local.get(v.nodeid)
+        lines.append(v.nodeid)
+        lines.append(f"    CI:    {v.outcome:<7} {v.cause:<16} {_clip(v.first_line, width)}".rstrip())
+        if here is None:
+            lines.append("    local: not run (not collected: renamed, deselected or skipped at collection?)")
+            continue
+        lines.append(
+            f"    local: {here.outcome:<7} {here.cause:<16} {_clip(here.first_line, width)}".rstrip()
+        )
+        lines.append(f"    memory CI: {v.memory()}; local: {here.memory()}")
+        notes = []
+        if here.seed != v.seed:
+            notes.append(f"seed differs: CI {v.seed}, local {here.seed}")
+        if here.world_size != v.world_size:
+            notes.append(f"world size differs: CI {v.world_size}, local {here.world_size}")
+        lines.append(
+            "    " + ("; ".join(notes) if notes else f"same seed ({v.seed}) and world size ({v.world_size})")
+        )
+    return "\n".join(lines)

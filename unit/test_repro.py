@@ -1,0 +1,283 @@
+"""`python -m ci repro` without running a test session: arguments, reports, verdicts, limits.
+
+The end-to-end runs (a planted OOM, a rerun from a report) are in functional/test_repro.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ci import repro
+from ci.jobs import ROOT
+from ci.limits import apply_memory_limit
+from ci.verdicts import ReportError, failed_tests, format_comparison, format_verdicts, load_report, verdict
+
+pytestmark = pytest.mark.L0
+
+MiB = 2**20
+
+
+def entry(nodeid: str, outcome: str = "passed", **fields: Any) -> dict[str, Any]:
+    """One test of a version-1 kit report, with the agreed field names."""
+    base: dict[str, Any] = {
+        "nodeid": nodeid,
+        "outcome": outcome,
+        "duration_s": 1.0,
+        "world_size": 2,
+        "backend": "gloo",
+        "seed": 1234,
+        "budget_host_bytes": None,
+        "budget_device_bytes": None,
+        "peak_host_bytes": 300 * MiB,
+        "peak_device_bytes": None,
+        "ranks": [],
+        "failure": None,
+        "log_dir": None,
+    }
+    base.update(fields)
+    return base
+
+
+def oom_entry(nodeid: str = "functional/test_x.py::test_big", seed: int = 77) -> dict[str, Any]:
+    return entry(
+        nodeid,
+        "failed",
+        seed=seed,
+        budget_host_bytes=1536 * MiB,
+        peak_host_bytes=1700 * MiB,
+        ranks=[
+            {
+                "rank": 0,
+                "peak_host_bytes": 400 * MiB,
+                "peak_device_bytes": None,
+                "exit_code": 0,
+                "signal": None,
+            },
+            {
+                "rank": 1,
+                "peak_host_bytes": 1700 * MiB,
+                "peak_device_bytes": None,
+                "exit_code": 86,
+                "signal": None,
+            },
+        ],
+        failure={
+            "rank": 1,
+            "kind": "oom",
+            "first_line": "rank 1 oom: fixtures.MemoryBudgetExceeded: host memory budget exceeded",
+            "message": "rank 1 oom: fixtures.MemoryBudgetExceeded: host memory budget exceeded\n...",
+        },
+    )
+
+
+def write_report(path: Path, tests: list[dict[str, Any]], markexpr: str = "L0", gpus: int = 0) -> Path:
+    session = {"markexpr": markexpr, "gpus": gpus, "pytest_args": ["-m", markexpr], "outcome_counts": {}}
+    path.write_text(json.dumps({"version": 1, "session": session, "tests": tests}))
+    return path
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+
+
+BAD_ARGUMENTS = {
+    "unknown tier": ["L7"],
+    "unparsable host size": ["--host-memory", "lots"],
+    "unknown device unit": ["--device-memory", "40 parsecs"],
+    "negative gpus": ["--gpus", "-1"],
+    "gpus not a number": ["--gpus", "two"],
+    "unknown option": ["--bogus"],
+    "missing report": ["--from-report", "{tmp}/absent.json"],
+    "report not json": ["--from-report", "{tmp}/not.json"],
+    "report of another version": ["--from-report", "{tmp}/v2.json"],
+    "report without tests": ["--from-report", "{tmp}/notests.json"],
+    "test without node id": ["--from-report", "{tmp}/nonodeid.json"],
+    "unknown limit method": ["--limit-method", "ulimit"],
+}
+
+
+def _write_bad_reports(tmp: Path) -> None:
+    (tmp / "not.json").write_text("{ this is not json")
+    (tmp / "v2.json").write_text(json.dumps({"version": 2, "tests": []}))
+    (tmp / "notests.json").write_text(json.dumps({"version": 1, "session": {}}))
+    (tmp / "nonodeid.json").write_text(json.dumps({"version": 1, "tests": [{"outcome": "failed"}]}))
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_bad_arguments_are_one_line_errors_with_exit_code_2(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_bad_reports(tmp_path)
+    argv = [arg.format(tmp=tmp_path) for arg in BAD_ARGUMENTS[case]]
+    assert repro.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("python -m ci repro: error: "), err
+
+
+def test_the_module_entry_point_returns_2_on_a_bad_tier() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ci", "repro", "L9"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert result.stderr == "python -m ci repro: error: unknown tier 'L9': expected one of L0, L1, L2\n"
+
+
+# ---- what it would run ---------------------------------------------------------------------------
+
+
+def dry_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    assert repro.main([*argv, "--dry-run"]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_cpu_repro_uses_the_ci_rows_arguments_environment_and_runner_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KIT_HOST_MEMORY", raising=False)
+    out = dry_run(["L0", "-k", "flops", "--reports", str(tmp_path)], capsys)
+    assert out[0] == "ci repro: job L0-cpu (tier L0, runs-on ubuntu-latest)"
+    env = next(line for line in out if line.startswith("ci repro: env "))
+    assert (
+        "KIT_HOST_MEMORY=7GB" in env and "CUDA_VISIBLE_DEVICES=''" in env and "HYPOTHESIS_PROFILE=ci" in env
+    )
+    command = shlex.split(out[-1].removeprefix("ci repro: "))
+    assert command[1:] == [
+        "-m", "pytest", "-m", "L0", "--kit-report", str(tmp_path), "--junitxml", f"{tmp_path}/junit.xml",
+        "-p", "no:randomly", "--durations=20", "-k", "flops",
+    ]  # fmt: skip
+
+
+def test_gpu_repro_emulates_the_ci_card_and_gpu_count(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("KIT_DEVICE_MEMORY", raising=False)
+    out = dry_run(["L1", "--gpus", "2", "--device-memory", "24GiB", "--reports", str(tmp_path)], capsys)
+    assert out[0].startswith("ci repro: job L1-gpu (tier L1, runs-on self-hosted, linux, x64, gpu-x2)")
+    env = next(line for line in out if line.startswith("ci repro: env "))
+    assert "KIT_DEVICE_MEMORY=24GiB" in env and "CUDA_VISIBLE_DEVICES=0,1" in env
+    assert f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE={tmp_path}/nccl/nccl_trace_rank_" in env
+    assert "-m L1" in out[-1]
+
+
+def test_from_report_selects_the_reports_tier_and_exactly_its_failed_tests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tests = [
+        entry("unit/test_a.py::test_fine"),
+        oom_entry("functional/test_b.py::test_big[2-gloo]"),
+        entry("functional/test_b.py::test_skipped", "skipped"),
+        entry("unit/test_c.py::test_setup_error", "error", failure=None, world_size=None),
+    ]
+    report = write_report(tmp_path / "kit-report.json", tests, markexpr="L1")
+    out = dry_run(["--from-report", str(report), "--reports", str(tmp_path / "out")], capsys)
+    assert out[0] == f"ci repro: job L1-cpu (tier L1, runs-on ubuntu-latest): 2 failed test(s) from {report}"
+    command = shlex.split(out[-1].removeprefix("ci repro: "))
+    assert command[-2:] == ["functional/test_b.py::test_big[2-gloo]", "unit/test_c.py::test_setup_error"]
+    assert "unit/test_a.py::test_fine" not in out[-1] and "-m L1" in out[-1]
+
+
+def test_a_report_without_failures_reruns_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = write_report(tmp_path / "r.json", [entry("a.py::test_x")])
+    assert repro.main(["--from-report", str(report)]) == 0
+    assert "no failed tests" in capsys.readouterr().out
+
+
+# ---- reading reports and stating verdicts ------------------------------------------------------
+
+
+def test_the_verdict_names_the_rank_kind_first_line_and_peak_against_budget() -> None:
+    v = verdict(oom_entry())
+    assert (v.rank, v.kind, v.cause) == (1, "oom", "rank 1 oom")
+    assert v.first_line == "fixtures.MemoryBudgetExceeded: host memory budget exceeded"
+    assert v.memory() == "host 1.66 GiB / 1.50 GiB"
+    text = format_verdicts([v]).splitlines()
+    assert text[0] == "FAILED functional/test_x.py::test_big: rank 1 oom"
+    assert text[1].strip() == "fixtures.MemoryBudgetExceeded: host memory budget exceeded"
+    assert "host 1.66 GiB / 1.50 GiB" in text[2] and "seed 77" in text[2]
+
+
+def test_the_verdict_uses_the_failing_ranks_peak_not_the_tests_max() -> None:
+    test = oom_entry()
+    test["failure"]["rank"] = 0
+    test["failure"]["kind"] = "error"
+    assert verdict(test).peak_host == 400 * MiB
+
+
+def test_a_failure_in_the_pytest_process_is_an_error_without_a_rank() -> None:
+    v = verdict(entry("unit/test_a.py::test_assert", "failed", world_size=None))
+    assert (v.rank, v.cause, v.first_line) == (None, "error", "")
+
+
+def test_a_crash_without_first_line_falls_back_to_the_message() -> None:
+    failure = {"rank": 3, "kind": "crash", "first_line": "", "message": "\nrank 3 died of SIGKILL\nmore"}
+    v = verdict(entry("t.py::test_k", "failed", failure=failure))
+    assert (v.cause, v.first_line) == ("rank 3 crash", "rank 3 died of SIGKILL")
+
+
+def test_failed_tests_keeps_report_order_and_each_id_once(tmp_path: Path) -> None:
+    report = load_report(
+        write_report(
+            tmp_path / "r.json",
+            [entry("a::x", "failed"), entry("a::y"), entry("a::x", "error"), entry("a::z", "error")],
+        )
+    )
+    assert [t["nodeid"] for t in failed_tests(report)] == ["a::x", "a::z"]
+
+
+def test_the_comparison_puts_ci_next_to_local_and_flags_what_differs() -> None:
+    ci = [verdict(oom_entry(seed=77)), verdict(entry("t::gone", "failed"))]
+    local = {"functional/test_x.py::test_big": verdict(entry("functional/test_x.py::test_big", seed=78))}
+    lines = format_comparison(ci, local).splitlines()
+    assert lines[0] == "functional/test_x.py::test_big"
+    assert lines[1].split()[:4] == ["CI:", "failed", "rank", "1"]
+    assert lines[2].split()[:3] == ["local:", "passed", "passed"]
+    assert "seed differs: CI 77, local 78" in lines[4]
+    assert lines[5:7] == ["t::gone", "    CI:    failed  error"]
+    assert lines[7].startswith("    local: not run")
+
+
+def test_load_report_accepts_what_the_plugin_writes(tmp_path: Path) -> None:
+    path = write_report(tmp_path / "r.json", [oom_entry()])
+    assert load_report(path)["tests"][0]["failure"]["kind"] == "oom"
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(ReportError, match="is not a version-1 kit report"):
+        load_report(tmp_path / "list.json")
+
+
+# ---- the runner's memory limit -------------------------------------------------------------------
+
+
+def test_no_limit_and_env_limit_do_not_wrap_the_command() -> None:
+    assert apply_memory_limit(None).wrap(["true"]) == ["true"]
+    env = apply_memory_limit(2**30, "env")
+    assert env.wrap(["true"]) == ["true"] and "NOT capped" in env.describe()
+    with pytest.raises(ValueError, match="unknown limit method 'ulimit'"):
+        apply_memory_limit(2**30, "ulimit")
+
+
+def test_the_whole_run_limit_kills_a_run_that_exceeds_it() -> None:
+    limit = apply_memory_limit(200 * MiB)
+    if limit.cgroup is None:
+        limit.close()
+        pytest.skip(f"no writable cgroup on this machine: {limit.describe()}")
+    hog = [sys.executable, "-c", "b = bytearray(600 * 2**20); b[::4096] = b'x' * len(b[::4096])"]
+    try:
+        small = subprocess.run(
+            limit.wrap([sys.executable, "-c", "print('ok')"]), capture_output=True, timeout=60
+        )
+        big = subprocess.run(limit.wrap(hog), capture_output=True, timeout=60)
+        assert small.returncode == 0 and small.stdout == b"ok\n"
+        assert big.returncode == -9, big
+        assert (limit.oom_kills() or 0) >= 1
+        assert limit.peak_bytes() is not None and limit.peak_bytes() <= 200 * MiB
+    finally:
+        limit.close()
+    assert not limit.cgroup.exists()
