@@ -1,0 +1,275 @@
+"""The launcher's verdicts, proven the way pytest tests itself: run a pytest session on a file.
+
+One inner session (under ``pytest -n 2``) runs every scenario once, with ``--kit-report``; each
+outer test asserts one verdict from its output and its report, so the ranks are spawned once per
+scenario, not once per assertion. The inner session runs as a subprocess: its ranks, signals and
+leak guard must not touch the outer session.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.L0
+
+SCENARIOS = textwrap.dedent(
+    """
+    import os
+    import signal
+    import time
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from fixtures.ranks import run_ranks
+
+
+    def oom(rank, world_size):
+        if rank == 1:
+            # A real allocation failure, not a raised exception: 1 PiB is beyond any machine and
+            # Linux's overcommit heuristic refuses it, so torch's CPU allocator fails.
+            torch.empty(2**50, dtype=torch.uint8)
+        t = torch.ones(1)
+        dist.all_reduce(t)  # rank 0 waits here for the rank that died
+
+
+    def crash(rank, world_size):
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # a real SIGKILL, as the OOM killer sends
+        dist.barrier()
+
+
+    def hang(rank, world_size):
+        time.sleep(600)
+
+
+    def error(rank, world_size):
+        if rank == 0:
+            raise ValueError("bad shard on rank 0")
+        dist.barrier()
+
+
+    def hog(rank, world_size, mib):
+        if rank == 1:
+            x = torch.ones(mib * 2**20 // 4)  # touched pages: resident, not just reserved
+            return float(x[0])
+        return 0.0
+
+
+    def total(rank, world_size):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        return t.item(), torch.get_num_threads(), os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
+
+
+    def test_oom():
+        run_ranks(oom, 2, timeout=120)
+
+
+    def test_crash():
+        run_ranks(crash, 2, timeout=120)
+
+
+    def test_hang():
+        run_ranks(hang, 2, timeout=20)
+
+
+    def test_error():
+        run_ranks(error, 2, timeout=120)
+
+
+    @pytest.mark.memory_budget(host="600MiB")
+    def test_budget_overrun():
+        run_ranks(hog, 2, timeout=120, args=(900,))
+
+
+    @pytest.mark.memory_budget(host="2GiB")
+    def test_good_pair():
+        results = run_ranks(total, 2, timeout=120)
+        assert [r[0] for r in results] == [3.0, 3.0]
+        assert all(r[2] == "1" for r in results)
+
+
+    def test_without_ranks():
+        assert 1 + 1 == 2
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run the scenario file once; give back its output, its report and its report dir.
+
+    `pytester` is function-scoped, so this module-scoped run does what its
+    ``runpytest_subprocess`` does by hand.
+    """
+    root = tmp_path_factory.mktemp("scenarios")
+    (root / "test_scenarios.py").write_text(SCENARIOS)
+    report_dir = root / "reports"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "-p",
+            "no:cacheprovider",
+            "--kit-report",
+            str(report_dir),
+            "--junitxml",
+            str(report_dir / "junit.xml"),
+            "test_scenarios.py",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    report = json.loads((report_dir / "kit-report.json").read_text())
+    return {
+        "output": output,
+        "rc": proc.returncode,
+        "report": report,
+        "rows": {row["nodeid"].split("::")[-1]: row for row in report["tests"]},
+        "dir": report_dir,
+        "wall_s": time.monotonic() - started,
+    }
+
+
+def _failure(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
+    row = scenarios["rows"][name]
+    assert row["outcome"] == "failed", (name, row, scenarios["output"][-3000:])
+    assert row["failure"] is not None
+    return row["failure"]
+
+
+def test_oom_on_rank_1_is_named_as_the_root_cause_within_seconds(scenarios: dict[str, Any]) -> None:
+    failure = _failure(scenarios, "test_oom")
+    assert (failure["rank"], failure["kind"]) == (1, "oom")
+    assert failure["first_line"].startswith("rank 1 oom: RuntimeError")
+    assert "can't allocate memory" in failure["first_line"]
+    # Rank 0's "Connection closed by peer" is shown, but as a knock-on, never as the cause.
+    assert "rank 0: error (knock-on" in failure["message"]
+    assert "last collective entered: all_reduce #1" in failure["message"]
+    # "In seconds": against a 120 s timeout, generous for a loaded 2-core machine.
+    assert scenarios["rows"]["test_oom"]["duration_s"] < 30
+
+
+def test_sigkilled_rank_is_a_crash_not_its_peers_connection_error(scenarios: dict[str, Any]) -> None:
+    failure = _failure(scenarios, "test_crash")
+    assert (failure["rank"], failure["kind"]) == (1, "crash")
+    assert "killed by SIGKILL" in failure["first_line"]
+    row = scenarios["rows"]["test_crash"]
+    assert row["ranks"][1]["signal"] == "SIGKILL"
+    assert row["duration_s"] < 30
+
+
+def test_sleeping_pair_is_a_hang_with_both_stacks(scenarios: dict[str, Any]) -> None:
+    failure = _failure(scenarios, "test_hang")
+    assert failure["kind"] == "hang"
+    assert failure["first_line"].startswith("rank 0 hang: no rank finished within 20 s")
+    message = failure["message"]
+    # Both ranks' faulthandler stacks, each ending in the sleeping function.
+    assert message.count('test_scenarios.py", line') >= 2
+    assert message.count(" in hang") >= 2
+
+
+def test_exception_is_an_error_with_its_traceback(scenarios: dict[str, Any]) -> None:
+    failure = _failure(scenarios, "test_error")
+    assert (failure["rank"], failure["kind"]) == (0, "error")
+    assert failure["first_line"] == "rank 0 error: ValueError: bad shard on rank 0"
+    assert 'raise ValueError("bad shard on rank 0")' in failure["message"]
+    assert "Traceback (most recent call last)" in failure["message"]
+
+
+def test_budget_overrun_fails_with_its_figure(scenarios: dict[str, Any]) -> None:
+    failure = _failure(scenarios, "test_budget_overrun")
+    assert (failure["rank"], failure["kind"]) == (1, "oom")
+    assert "host memory budget exceeded" in failure["first_line"]
+    assert "> budget 600.00 MiB" in failure["first_line"]
+    row = scenarios["rows"]["test_budget_overrun"]
+    assert row["budget_host_bytes"] == 600 * 2**20
+    assert row["ranks"][1]["peak_host_bytes"] > 600 * 2**20
+
+
+def test_good_pair_passes_and_its_peaks_are_reported(scenarios: dict[str, Any]) -> None:
+    row = scenarios["rows"]["test_good_pair"]
+    assert row["outcome"] == "passed", scenarios["output"][-3000:]
+    assert (row["world_size"], row["backend"]) == (2, "gloo")
+    assert row["budget_host_bytes"] == 2 * 2**30
+    assert [r["rank"] for r in row["ranks"]] == [0, 1]
+    assert all(r["exit_code"] == 0 and r["signal"] is None for r in row["ranks"])
+    # A rank that imported torch and built a gloo group is resident well above 50 MiB.
+    assert all(r["peak_host_bytes"] > 50 * 2**20 for r in row["ranks"])
+    assert row["peak_host_bytes"] == max(r["peak_host_bytes"] for r in row["ranks"])
+    assert row["peak_device_bytes"] is None
+    assert row["leaked_processes"] == 0
+
+
+def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) -> None:
+    report, rows = scenarios["report"], scenarios["rows"]
+    assert report["version"] == 1
+    assert set(rows) == {
+        "test_oom",
+        "test_crash",
+        "test_hang",
+        "test_error",
+        "test_budget_overrun",
+        "test_good_pair",
+        "test_without_ranks",
+    }
+    assert report["session"]["outcome_counts"] == {"passed": 2, "failed": 5, "skipped": 0, "error": 0}
+    assert "-n" in report["session"]["pytest_args"]
+    assert rows["test_without_ranks"]["world_size"] == 0
+    assert rows["test_without_ranks"]["ranks"] == []
+    # Same test id, same seed: the seed is derived from the node id, not drawn.
+    from fixtures.attribution import seed_for
+
+    assert rows["test_good_pair"]["seed"] == seed_for(rows["test_good_pair"]["nodeid"])
+    markdown = (scenarios["dir"] / "kit-report.md").read_text()
+    assert "| test_scenarios.py::test_good_pair | 2 | gloo |" in markdown
+    assert "rank 1 oom" in markdown
+    for name in ("test_oom", "test_good_pair"):
+        log_dir = Path(rows[name]["log_dir"])
+        assert log_dir.parent == scenarios["dir"] / "logs"
+        assert (log_dir / "rank0.log").exists() and (log_dir / "rank1.log").exists()
+    assert "kit report: ranks, peaks, budgets" in scenarios["output"]
+    assert "pytest RSS grew" in scenarios["output"]
+
+
+def test_junit_failure_message_leads_with_rank_and_kind(scenarios: dict[str, Any]) -> None:
+    junit = (scenarios["dir"] / "junit.xml").read_text()
+    assert 'message="fixtures.ranks.RankFailure: rank 1 oom: RuntimeError' in junit
+    assert 'message="fixtures.ranks.RankFailure: rank 1 crash: killed by SIGKILL' in junit
+
+
+def test_failing_rank_output_is_shown_prefixed_by_rank(scenarios: dict[str, Any]) -> None:
+    assert "[rank1] RuntimeError: [enforce fail" in scenarios["output"]
+    assert "[rank0] ValueError: bad shard on rank 0" in scenarios["output"]
+
+
+def test_nothing_is_left_running_after_the_session(scenarios: dict[str, Any]) -> None:
+    marker = str(scenarios["dir"].parent)
+    stray = []
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            env = proc.info["environ"] or {}
+        except psutil.Error:
+            continue
+        if marker in env.get("KIT_RANK_SPEC", ""):
+            stray.append(proc.pid)
+    assert stray == []
+    assert all(row["leaked_processes"] == 0 for row in scenarios["report"]["tests"])
