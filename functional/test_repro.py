@@ -1,0 +1,146 @@
+"""`python -m ci repro` end to end, on a small generated project that uses the kit's plugin.
+
+The project plants one failure of each origin: a rank that exceeds its host budget (an OOM the
+launcher must name), a plain assertion in the pytest process, a passing test, and an L1 test the
+L0 selection must leave out. The first run plays the CI job (it is the same command and writes
+the same report); the second reruns from that report, and must run only the failed tests, with
+the same seeds and world sizes, printing the CI verdict next to the local one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ci.jobs import ROOT
+
+pytestmark = pytest.mark.L0
+
+PLANTED = textwrap.dedent(
+    """
+    import time
+
+    import pytest
+
+    from fixtures.ranks import run_ranks
+
+
+    def grow_on_rank_1(rank, world_size):
+        if rank == 1:
+            blocks = []
+            for _ in range(64):  # up to 1 GiB, 16 MiB at a time, slowly enough for the watchdog
+                blocks.append(bytearray(16 * 2**20))
+                time.sleep(0.01)
+        return rank
+
+
+    @pytest.mark.L0
+    @pytest.mark.world_size(2)
+    @pytest.mark.memory_budget(host="400MiB")
+    def test_planted_oom():
+        run_ranks(grow_on_rank_1, 2, timeout=120)
+
+
+    @pytest.mark.L0
+    def test_planted_assertion():
+        assert 1 + 1 == 3, "planted assertion"
+
+
+    @pytest.mark.L0
+    def test_passes():
+        pass
+
+
+    @pytest.mark.L1
+    def test_only_in_l1():
+        pass
+    """
+)
+
+
+def repro(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m ci repro ...` as a person runs it, from this repository's root."""
+    return subprocess.run(
+        [sys.executable, "-m", "ci", "repro", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("planted")
+    (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
+    (root / "conftest.py").write_text('"""The kit plugin comes through its pytest11 entry point."""\n')
+    (root / "test_planted.py").write_text(PLANTED)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ci_run(project: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """The L0 job on the planted project: its output and the report CI would upload."""
+    result = repro("L0", "--root", str(project), "--reports", str(project / "ci-reports"))
+    report_path = project / "ci-reports" / "kit-report.json"
+    assert report_path.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    return result, json.loads(report_path.read_text())
+
+
+def test_a_planted_oom_on_one_rank_is_reported_as_such(ci_run: tuple[Any, dict[str, Any]]) -> None:
+    result, report = ci_run
+    assert result.returncode == 1, result.stderr
+    out = result.stdout
+    # pytest's own progress came through first, then the verdicts.
+    assert "2 failed, 1 passed, 1 deselected" in out
+    verdicts = out[out.index("ci repro: " + "=" * 30 + " verdicts") :]
+    lines = verdicts.splitlines()
+    oom = lines.index("FAILED test_planted.py::test_planted_oom: rank 1 oom")
+    assert "host memory budget exceeded" in lines[oom + 1]
+    assert lines[oom + 2].strip().startswith("peak/budget: host ")
+    assert "/ 400.00 MiB; world size 2" in lines[oom + 2]
+    assertion = lines.index("FAILED test_planted.py::test_planted_assertion: error")
+    assert oom < assertion
+    assert "test_passes" not in verdicts and "test_only_in_l1" not in verdicts
+    method = next(line for line in lines if line.startswith("ci repro: runner memory ("))
+    assert any(name in method for name in ("cgroup2", "cgroup1", "systemd-run", "env"))
+    # The report CI would upload says the same.
+    by_id = {test["nodeid"]: test for test in report["tests"]}
+    failure = by_id["test_planted.py::test_planted_oom"]["failure"]
+    assert (failure["rank"], failure["kind"]) == (1, "oom")
+    assert by_id["test_planted.py::test_planted_oom"]["peak_host_bytes"] > 400 * 2**20
+    assert report["session"]["markexpr"] == "L0"
+
+
+def test_a_rerun_from_the_report_reruns_only_the_failed_tests(
+    project: Path, ci_run: tuple[Any, dict[str, Any]], tmp_path: Path
+) -> None:
+    _, ci_report = ci_run
+    artifact = tmp_path / "kit-report.json"  # as downloaded from the CI job
+    shutil.copy(project / "ci-reports" / "kit-report.json", artifact)
+    result = repro(
+        "--from-report", str(artifact), "--root", str(project), "--reports", str(tmp_path / "local")
+    )
+    assert result.returncode == 1, result.stderr
+    local = json.loads((tmp_path / "local" / "kit-report.json").read_text())
+    ran = sorted(test["nodeid"] for test in local["tests"])
+    assert ran == ["test_planted.py::test_planted_assertion", "test_planted.py::test_planted_oom"]
+    ci_seed = next(t["seed"] for t in ci_report["tests"] if t["nodeid"].endswith("test_planted_oom"))
+    local_oom = next(t for t in local["tests"] if t["nodeid"].endswith("test_planted_oom"))
+    assert (local_oom["seed"], local_oom["world_size"]) == (ci_seed, 2)
+    out = result.stdout
+    assert out.startswith(
+        f"ci repro: job L0-cpu (tier L0, runs-on ubuntu-latest): 2 failed test(s) from {artifact}"
+    )
+    lines = out[out.index("=" * 30 + " verdicts") :].splitlines()
+    at = lines.index("test_planted.py::test_planted_oom")
+    assert lines[at + 1].split()[:4] == ["CI:", "failed", "rank", "1"]
+    assert lines[at + 2].split()[:5] == ["local:", "failed", "rank", "1", "oom"]
+    assert lines[at + 4].strip() == f"same seed ({ci_seed}) and world size (2)"
