@@ -47,12 +47,15 @@ _CPU_ENV = {
     "CUDA_VISIBLE_DEVICES": "",
 }
 # NCCL's flight recorder: each rank dumps its last collectives on a watchdog timeout into the
-# report directory, which every job uploads. `{reports}` is replaced by that directory.
+# report directory, which every job uploads. `{reports}` is replaced by that directory. The
+# launcher points launches of `run_ranks` at their own log directory (under reports/logs/); these
+# catch NCCL used any other way. Both names: TORCH_FR_* is the newer one, older torch reads the other.
 _GPU_ENV = {
     "KIT_SYSTEM_PYTHON": "1",
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{reports}/nccl/nccl_trace_rank_",
+    "TORCH_FR_DUMP_TEMP_FILE": "{reports}/nccl/nccl_flight_recorder_rank_",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "{reports}/nccl/nccl_flight_recorder_rank_",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     "NCCL_DEBUG": "WARN",
 }

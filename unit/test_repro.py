@@ -163,7 +163,7 @@ def test_gpu_repro_emulates_the_ci_card_and_gpu_count(
     assert out[0].startswith("ci repro: job L1-gpu (tier L1, runs-on self-hosted, linux, x64, gpu-x2)")
     env = next(line for line in out if line.startswith("ci repro: env "))
     assert "KIT_DEVICE_MEMORY=24GiB" in env and "CUDA_VISIBLE_DEVICES=0,1" in env
-    assert f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE={tmp_path}/nccl/nccl_trace_rank_" in env
+    assert f"TORCH_FR_DUMP_TEMP_FILE={tmp_path}/nccl/nccl_flight_recorder_rank_" in env
     assert "-m L1" in out[-1]
 
 

@@ -147,7 +147,13 @@ def test_gpu_jobs_run_in_the_pytorch_container_with_nccl_flight_recorder_and_a_d
         env = row.environment(Path("/x/reports"))
         assert env["KIT_SYSTEM_PYTHON"] == "1"
         assert env["KIT_DEVICE_MEMORY"] == row.device_memory
-        assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"].startswith("/x/reports/")
+        assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith("/x/reports/")
+        assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"]
+        summary = next(s["run"] for s in job["steps"] if "GITHUB_STEP_SUMMARY" in s.get("run", ""))
+        assert (
+            "nccl_flight_recorder_rank" in summary
+            and "nccl_flight_recorder_rank" in env["TORCH_FR_DUMP_TEMP_FILE"]
+        )
         assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
 
 
