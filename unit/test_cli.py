@@ -1,0 +1,88 @@
+"""`python -m accounting flops ...` run as a subprocess: output, --json, exit code 2 on bad arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.L0
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "accounting", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def llama3_8b_flops(lengths: list[int], pack_len: int) -> tuple[int, int]:
+    """Independent per-token arithmetic for Llama 3 8B (32 layers, h 4096, ffn 14336, 32 heads,
+    8 groups, head dim 128, vocab 128256, SwiGLU): model and hardware FLOPs of one pack."""
+    h, q, k, ffn, vocab, layers = 4096, 4096, 1024, 14336, 128256, 32
+    per_token = 6 * layers * (h * (q + 2 * k) + q * h) + 6 * layers * h * ffn * 3 + 6 * h * vocab
+    model = per_token * sum(lengths) + 6 * layers * q * sum(s * s for s in lengths)
+    hardware = per_token * pack_len + 6 * layers * q * sum(s * s for s in lengths)
+    return model, hardware
+
+
+def test_text_output_shows_terms_model_and_hardware_flops_and_the_dense_over_report():
+    result = run_cli("flops", "--preset", "llama3-8b", "--docs", "4096,2048,1024,1024")
+    assert result.returncode == 0, result.stderr
+    model, _ = llama3_8b_flops([4096, 2048, 1024, 1024], 8192)
+    dense, _ = llama3_8b_flops([8192], 8192)
+    out = result.stdout
+    assert "4 documents, 8192 real tokens in a pack of 8192" in out
+    for term in ("attention_projections", "core_attention", "mlp", "logits"):
+        assert term in out
+    assert f"model FLOPs (exact): {model}" in out
+    assert f"pack_len^2 count: {dense:.4e} (over-reports model FLOPs by {dense / model - 1:+.2%})" in out
+
+
+def test_json_output_is_one_object_with_exact_integers_and_padding_in_hardware_flops():
+    result = run_cli("flops", "--preset", "llama3-8b", "--docs", "1000,3000", "--seq-len", "8192", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    model, hardware = llama3_8b_flops([1000, 3000], 8192)
+    assert (data["model_flops"], data["hardware_flops"]) == (model, hardware)
+    assert data["tokens"] == 4000 and data["pack_len"] == 8192 and data["num_documents"] == 2
+    assert sum(data["terms"].values()) == model
+    assert data["dense_pack_flops"] == llama3_8b_flops([8192], 8192)[0]
+
+
+def test_cu_seqlens_and_seq_len_alone_are_accepted():
+    a = json.loads(run_cli("flops", "--preset", "qwen3-30b-a3b", "--cu-seqlens", "0,4096", "--json").stdout)
+    b = json.loads(run_cli("flops", "--preset", "qwen3-30b-a3b", "--seq-len", "4096", "--json").stdout)
+    assert a["model_flops"] == b["model_flops"]
+    assert float(f"{a['model_flops']:.2e}") == 9.42e13  # Megatron-Bridge's GBS=1 reference
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("flops", "--preset", "nope", "--seq-len", "8"), "invalid choice: 'nope'"),
+        (("flops", "--preset", "llama3-8b", "--docs", "4,x"), "comma-separated integers"),
+        (("flops", "--preset", "llama3-8b", "--docs", "4,0"), "lengths must be positive"),
+        (
+            ("flops", "--preset", "llama3-8b", "--cu-seqlens", "0,5,3"),
+            "cu_seqlens[2] = 3 is smaller than cu_seqlens[1] = 5",
+        ),
+        (
+            ("flops", "--preset", "llama3-8b", "--docs", "8,8", "--seq-len", "10"),
+            "more tokens than the pack holds",
+        ),
+        (("flops", "--preset", "llama3-8b"), "give --docs, --cu-seqlens or --seq-len"),
+        (
+            ("flops", "--preset", "llama3-8b", "--docs", "4", "--cu-seqlens", "0,4"),
+            "not allowed with argument",
+        ),
+        (("frobnicate",), "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_on_stderr(args, needle):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], result.stderr

@@ -1,0 +1,283 @@
+"""seqlen_stats / SeqlenStats / validate_cu_seqlens: properties against plain loops, edge cases, rejections."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from accounting import SeqlenStats, seqlen_stats, validate_cu_seqlens
+from unit.strategies import DTYPES, FORMS, packs, windows
+
+pytestmark = pytest.mark.L0
+
+
+def _pairs_outside(length: int, left: int, right: int) -> tuple[int, int]:
+    """Brute force: (query, key) pairs of one document left of / right of the window."""
+    beyond_left = beyond_right = 0
+    for i in range(length):
+        for j in range(length):
+            if left >= 0 and j < i - left:
+                beyond_left += 1
+            if right >= 0 and j > i + right:
+                beyond_right += 1
+    return beyond_left, beyond_right
+
+
+def _window_tuple(window):
+    if window is None:
+        return None
+    left, right = (window, 0) if isinstance(window, int) else window
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+# ---------------------------------------------------------------- properties
+
+
+@given(packs(), st.booleans())
+def test_stats_equal_plain_python_sums_over_document_lengths(pack, with_pack_len):
+    pack_len = pack.pack_len if with_pack_len else None
+    stats = seqlen_stats(pack.cu_seqlens(), pack.cu_seqlens_padded(), pack_len=pack_len).to_dict()
+    assert stats["num_sequences"] == len(pack.lengths)
+    assert stats["tokens"] == sum(pack.lengths)
+    assert stats["squared"] == sum(s * s for s in pack.lengths)
+    assert stats["padded_squared"] == sum(s * s for s in pack.padded_lengths)
+    expected_padded_tokens = len(pack.rows) * pack.pack_len if with_pack_len else sum(pack.padded_lengths)
+    assert stats["padded_tokens"] == expected_padded_tokens
+
+
+@given(packs())
+def test_squared_sum_is_invariant_to_padding_form(pack):
+    results = [seqlen_stats(pack.cu_seqlens(form=f), pack.cu_seqlens_padded(form=f)).to_dict() for f in FORMS]
+    assert results[0] == results[1]
+
+
+@given(packs(), windows())
+def test_stats_are_invariant_to_int32_or_int64_boundaries(pack, window):
+    results = [
+        seqlen_stats(pack.cu_seqlens(dtype=d), pack.cu_seqlens_padded(dtype=d), window_size=window).to_dict()
+        for d in DTYPES
+    ]
+    assert results[0] == results[1]
+
+
+@given(packs())
+def test_squared_sum_never_exceeds_square_of_sum_nor_falls_below_square_of_sum_over_n(pack):
+    stats = seqlen_stats(pack.cu_seqlens()).to_dict()
+    n, total, squared = stats["num_sequences"], stats["tokens"], stats["squared"]
+    assert squared <= total * total
+    if n:
+        assert squared * n >= total * total  # Cauchy-Schwarz: Σs² >= (Σs)²/n
+
+
+@given(packs(max_len=24), windows())
+def test_window_pairs_equal_brute_force_per_document_count(pack, window):
+    stats = seqlen_stats(pack.cu_seqlens(), pack.cu_seqlens_padded(), window_size=window)
+    w = _window_tuple(window)
+    assert stats.window == w
+    left, right = w if w is not None else (-1, -1)
+    real = [_pairs_outside(s, left, right) for s in pack.lengths]
+    padded = [_pairs_outside(s, left, right) for s in pack.padded_lengths]
+    got = stats.to_dict()
+    assert got["beyond_left"] == sum(r[0] for r in real)
+    assert got["beyond_right"] == sum(r[1] for r in real)
+    assert got["padded_beyond_left"] == sum(p[0] for p in padded)
+    assert got["padded_beyond_right"] == sum(p[1] for p in padded)
+
+
+@given(packs(two_d=True))
+def test_two_d_stats_equal_the_sum_of_each_row_as_a_one_d_pack(pack):
+    cu, cu_padded = pack.cu_seqlens(), pack.cu_seqlens_padded()
+    whole = seqlen_stats(cu, cu_padded, pack_len=pack.pack_len).to_dict()
+    rows = [seqlen_stats(cu[r], cu_padded[r], pack_len=pack.pack_len).to_dict() for r in range(cu.shape[0])]
+    assert whole == {k: sum(row[k] for row in rows) for k in whole}
+
+
+@given(packs(), windows())
+def test_stats_run_on_meta_tensors_without_reading_values(pack, window):
+    stats = seqlen_stats(
+        pack.cu_seqlens(device="meta"), pack.cu_seqlens_padded(device="meta"), window_size=window, pack_len=7
+    )
+    for name in SeqlenStats.field_names():
+        value = getattr(stats, name)
+        assert value.device.type == "meta" and value.dim() == 0 and value.dtype == torch.int64
+
+
+@given(st.integers(0, 6), st.integers(0, 40), windows())
+def test_dense_stats_equal_a_pack_of_equal_full_length_documents(batch, seq_len, window):
+    rows = [[0, seq_len] for _ in range(batch)] or [[0]]
+    cu = torch.tensor(rows)
+    expected = seqlen_stats(cu, window_size=window, pack_len=seq_len).to_dict() if batch else None
+    dense = SeqlenStats.dense(batch, seq_len, window_size=window).to_dict()
+    if batch:
+        assert dense == expected
+    else:
+        assert set(dense.values()) == {0}
+
+
+@given(packs(), packs())
+def test_adding_stats_equals_stats_of_the_two_packs_together(a, b):
+    sa = seqlen_stats(a.cu_seqlens(), a.cu_seqlens_padded())
+    sb = seqlen_stats(b.cu_seqlens(), b.cu_seqlens_padded())
+    both = (sa + sb).to_dict()
+    assert both["squared"] == sum(s * s for s in a.lengths + b.lengths)
+    assert both["tokens"] == sum(a.lengths + b.lengths)
+    assert both["num_sequences"] == len(a.lengths) + len(b.lengths)
+    assert SeqlenStats.from_vector((sa + sb).to_vector()).to_dict() == both
+
+
+@given(packs())
+def test_valid_packs_pass_validation_in_every_form(pack):
+    for form in FORMS:
+        validate_cu_seqlens(
+            pack.cu_seqlens(form=form), pack.cu_seqlens_padded(form=form), pack_len=pack.pack_len
+        )
+
+
+# ---------------------------------------------------------------- edge cases
+
+
+def _stats(cu, padded=None, **kw):
+    return seqlen_stats(torch.tensor(cu), None if padded is None else torch.tensor(padded), **kw).to_dict()
+
+
+def test_sentinel_tail_contributes_nothing():
+    got = _stats([0, 5, 9, -1, -1])
+    assert (got["num_sequences"], got["tokens"], got["squared"]) == (2, 9, 25 + 16)
+
+
+def test_repeated_value_tail_contributes_nothing():
+    got = _stats([0, 5, 9, 9, 9])
+    assert (got["num_sequences"], got["tokens"], got["squared"]) == (2, 9, 41)
+
+
+def test_empty_pack_of_zero_length_segments_is_all_zero():
+    assert set(_stats([0, 0, 0], pack_len=8).values()) == {0, 8}
+    assert _stats([0, 0, 0])["tokens"] == 0
+
+
+def test_single_boundary_zero_is_an_empty_pack():
+    got = _stats([0])
+    assert set(got.values()) == {0}
+    validate_cu_seqlens(torch.tensor([0]))
+
+
+def test_all_sentinel_row_is_an_empty_row():
+    got = _stats([[0, 4, 6], [0, -1, -1]])
+    assert (got["num_sequences"], got["tokens"], got["squared"]) == (2, 6, 16 + 4)
+
+
+def test_two_d_ragged_rows_in_both_tail_forms():
+    cu = [[0, 3, 10, -1], [0, 8, 8, 8], [0, 1, 2, 3]]
+    got = _stats(cu)
+    lengths = [3, 7, 8, 1, 1, 1]
+    assert got["tokens"] == sum(lengths) and got["squared"] == sum(s * s for s in lengths)
+    assert got["num_sequences"] == 6
+    validate_cu_seqlens(torch.tensor(cu), pack_len=10)
+
+
+def test_padded_boundaries_drive_padded_fields_and_pack_len_counts_trailing_slots():
+    got = _stats([0, 3, 5, 5], [0, 4, 8, 8], pack_len=10)
+    assert (got["tokens"], got["squared"]) == (5, 9 + 4)
+    assert (got["padded_tokens"], got["padded_squared"]) == (10, 16 + 16)
+
+
+def test_meta_tensors_of_a_real_pack_keep_shape_only():
+    stats = seqlen_stats(torch.tensor([[0, 2, -1]], device="meta"), window_size=(4, 0))
+    assert stats.squared.is_meta and stats.window == (4, 0)
+
+
+def test_values_beyond_int32_products_stay_exact():
+    big = 2**30  # squared would overflow int32 and lose bits in float32
+    got = _stats(torch.tensor([0, big, 2 * big], dtype=torch.int64).tolist())
+    assert got["squared"] == 2 * big * big
+
+
+def test_stats_fields_are_int64_tensors_even_for_int32_input():
+    stats = seqlen_stats(torch.tensor([0, 3], dtype=torch.int32))
+    assert stats.squared.dtype == torch.int64 and int(stats.squared) == 9
+
+
+def test_window_int_means_left_size_with_no_right_context():
+    assert seqlen_stats(torch.tensor([0, 3]), window_size=1).window == (1, 0)
+    assert seqlen_stats(torch.tensor([0, 3]), window_size=(-1, -1)).window is None
+
+
+@pytest.mark.parametrize(
+    ("cu", "kwargs", "message"),
+    [
+        (
+            torch.tensor([0.0, 1.0]),
+            {},
+            r"cu_seqlens has dtype torch.float32: boundaries must be an integer tensor",
+        ),
+        (torch.tensor([True, False]), {}, r"dtype torch.bool"),
+        (torch.zeros(1, 1, 2, dtype=torch.int64), {}, r"cu_seqlens has 3 dimensions \(shape \[1, 1, 2\]\)"),
+        (torch.zeros(0, dtype=torch.int64), {}, r"needs at least the leading 0"),
+        (torch.tensor([[0, 2], [3, 4]]), {}, r"^cu_seqlens\[1, 0\] = 3: the first boundary must be 0$"),
+        (torch.tensor([1, 4]), {}, r"^cu_seqlens\[0\] = 1: the first boundary must be 0$"),
+        (
+            torch.tensor([[0, 1, 2, 3, 4], [0, 2, 5, 9, 7]]),
+            {},
+            r"^cu_seqlens\[1, 4\] = 7 is smaller than cu_seqlens\[1, 3\] = 9: boundaries must not decrease "
+            r"before the padding tail$",
+        ),
+        (
+            torch.tensor([0, 3, -2]),
+            {},
+            r"^cu_seqlens\[2\] = -2 is negative: only -1 may mark the padding tail$",
+        ),
+        (
+            torch.tensor([0, 3, -1, 5]),
+            {},
+            r"^cu_seqlens\[3\] = 5 follows the -1 padding tail that starts at cu_seqlens\[2\]",
+        ),
+        (
+            torch.tensor([0, 3, 9000, -1]),
+            {"pack_len": 8192},
+            r"^cu_seqlens\[2\] = 9000 exceeds the pack length 8192: more tokens than the pack holds$",
+        ),
+    ],
+)
+def test_validate_rejects_malformed_boundaries_saying_what_and_where(cu, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        validate_cu_seqlens(cu, **kwargs)
+
+
+def test_validate_rejects_a_real_document_longer_than_its_padded_segment():
+    with pytest.raises(ValueError, match=r"^segment 1 of row 0 has 7 real tokens but only 5 padded slots"):
+        validate_cu_seqlens(torch.tensor([[0, 2, 9]]), torch.tensor([[0, 4, 9]]))
+
+
+def test_validate_rejects_padded_boundaries_of_another_shape():
+    with pytest.raises(ValueError, match=r"cu_seqlens_padded has shape \[4\] but cu_seqlens has shape \[3\]"):
+        validate_cu_seqlens(torch.tensor([0, 2, 4]), torch.tensor([0, 2, 4, 4]))
+
+
+def test_validate_names_cu_seqlens_padded_when_it_is_the_malformed_one():
+    with pytest.raises(
+        ValueError, match=r"^cu_seqlens_padded\[2\] = 1 is smaller than cu_seqlens_padded\[1\] = 4"
+    ):
+        validate_cu_seqlens(torch.tensor([0, 2, 2]), torch.tensor([0, 4, 1]))
+
+
+def test_stats_reject_what_the_metadata_shows_without_syncing():
+    with pytest.raises(ValueError, match=r"dtype torch\.float32"):
+        seqlen_stats(torch.zeros(3, device="meta"))
+    with pytest.raises(ValueError, match="3 dimensions"):
+        seqlen_stats(torch.zeros(1, 1, 3, dtype=torch.int64, device="meta"))
+    with pytest.raises(ValueError, match="pack_len"):
+        seqlen_stats(torch.tensor([0, 1]), pack_len=-1)
+
+
+@pytest.mark.parametrize("window", [-2, (1, 2, 3), "4", (0.5, 0), True])
+def test_bad_window_sizes_are_rejected(window):
+    with pytest.raises(ValueError, match="window_size"):
+        seqlen_stats(torch.tensor([0, 1]), window_size=window)
+
+
+def test_adding_stats_of_different_windows_is_refused():
+    a = SeqlenStats.dense(1, 4, window_size=2)
+    with pytest.raises(ValueError, match="windows"):
+        a + SeqlenStats.dense(1, 4)

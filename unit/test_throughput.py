@@ -1,0 +1,115 @@
+"""IntervalThroughput: interval deltas over an injected clock, per-GPU TFLOP/s, MFU, resume without spikes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from accounting import IntervalThroughput
+from accounting.throughput import PEAK_FLOPS, peak_flops
+
+pytestmark = pytest.mark.L0
+
+
+class FakeClock:
+    """A clock the test advances by hand."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_interval_reports_delta_over_elapsed_per_gpu():
+    clock = FakeClock()
+    meter = IntervalThroughput(8, peak_flops_per_gpu=4e12, clock=clock)
+    clock.now += 0.5
+    report = meter.log(8e12, total_tokens=4096)
+    assert report.elapsed_s == 0.5 and report.flops == 8 * 10**12
+    assert report.tflops_per_gpu == pytest.approx(2.0)  # 8e12 / 0.5 s / 8 GPUs
+    assert report.mfu == pytest.approx(0.5)
+    assert report.tokens_per_s == pytest.approx(8192) and report.tokens_per_s_per_gpu == pytest.approx(1024)
+
+
+def test_resuming_from_a_checkpointed_counter_does_not_spike():
+    clock = FakeClock()
+    restored = 10**21  # cumulative FLOPs saved in the checkpoint
+    meter = IntervalThroughput(2, start_flops=restored, start_tokens=10**9, clock=clock)
+    clock.now += 2.0
+    report = meter.log(restored + 4 * 10**12, total_tokens=10**9 + 100)
+    assert report.flops == 4 * 10**12 and report.tflops_per_gpu == pytest.approx(1.0)
+    assert report.tokens == 100 and report.mfu is None
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 10**15), st.floats(0.01, 100.0)), min_size=1, max_size=10),
+    st.integers(1, 64),
+)
+def test_intervals_partition_the_cumulative_counter_and_the_wall_time(steps, world_size):
+    clock = FakeClock(0.0)
+    meter = IntervalThroughput(world_size, clock=clock)
+    total, reports = 0, []
+    for flops, seconds in steps:
+        total += flops
+        clock.now += seconds
+        reports.append(meter.log(total))
+    assert sum(r.flops for r in reports) == total
+    assert sum(r.elapsed_s for r in reports) == pytest.approx(clock.now)
+    for (flops, seconds), r in zip(steps, reports, strict=True):
+        assert r.tflops_per_gpu == pytest.approx(flops / seconds / world_size / 1e12)
+
+
+def test_a_counter_that_goes_backwards_gives_an_empty_interval_and_re_anchors():
+    clock = FakeClock()
+    meter = IntervalThroughput(1, start_flops=100, clock=clock)
+    clock.now += 1
+    assert meter.log(50).flops == 0
+    clock.now += 1
+    assert meter.log(80).flops == 30
+
+
+def test_zero_elapsed_time_reports_zero_rates_instead_of_dividing_by_zero():
+    clock = FakeClock()
+    meter = IntervalThroughput(1, device_name="NVIDIA A100-SXM4-80GB", clock=clock)
+    report = meter.log(10)
+    assert report.tflops_per_gpu == 0.0 and report.mfu == 0.0
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4e12),
+        ("NVIDIA H100 80GB HBM3", "fp8", 1978.9e12),
+        ("NVIDIA H100 PCIe", "bf16", 756e12),
+        ("NVIDIA H200", "bf16", 989.4e12),
+        ("NVIDIA H200", "fp8", 1978.9e12),
+        ("NVIDIA B200", "bf16", 2250e12),
+        ("NVIDIA B200", "fp8", 4500e12),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+        ("NVIDIA A100-SXM4-80GB", "torch.bfloat16", 312e12),
+    ],
+)
+def test_peak_table_gives_dense_vendor_peaks(device, dtype, expected):
+    assert peak_flops(device, dtype) == expected
+
+
+def test_fp8_peaks_double_bf16_and_no_entry_is_a_sparse_figure():
+    for (device, dtype), value in PEAK_FLOPS.items():
+        if dtype == "fp8":
+            assert value == pytest.approx(2 * PEAK_FLOPS[(device, "bf16")], rel=1e-3)
+    assert PEAK_FLOPS[("H100", "bf16")] < 1000e12  # the sparse figure is 1979
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype"), [("NVIDIA A100-SXM4-80GB", "fp8"), ("Tesla V100", "bf16"), ("NVIDIA H100", "fp4")]
+)
+def test_unknown_device_or_dtype_is_refused(device, dtype):
+    with pytest.raises(ValueError, match="peak"):
+        peak_flops(device, dtype)
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(ValueError, match="world_size"):
+        IntervalThroughput(0)
