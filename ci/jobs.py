@@ -136,10 +136,13 @@ def pytest_args(job: Job, reports: Path | str) -> list[str]:
     """The pytest arguments `ci/test.sh <tier> <job args>` ends up with, for a report directory.
 
     `ci/test.sh` runs `pytest -m <tier> --kit-report reports --junitxml reports/junit.xml "$@"`;
-    `repro` runs the same list with its own report directory.
+    `repro` runs the same with its own report directory. The `--opt=value` form matters: pytest
+    picks its rootdir and config file before it loads plugins, so a plugin option's value given as
+    a separate word counts as a path there, and a report directory outside the project made the
+    session run without pyproject.toml's settings (rootdir = the report directory).
     """
     reports = str(reports)
-    return ["-m", job.tier, "--kit-report", reports, "--junitxml", f"{reports}/junit.xml", *job.pytest_args]
+    return ["-m", job.tier, f"--kit-report={reports}", f"--junitxml={reports}/junit.xml", *job.pytest_args]
 
 
 def describe(job: Job, reports: Path) -> str:

@@ -101,6 +101,8 @@ def environment(job: Job, reports: Path, gpus: int, host: str | None, device: st
     """The job's variables over ours, with the requested limits and the GPUs the job has."""
     env = {**os.environ, **job.environment(reports)}
     env.pop("KIT_SEED", None)  # seeds come from the node ids, as in CI
+    for key in [k for k in env if k == "PYTEST_CURRENT_TEST" or k.startswith("PYTEST_XDIST_")]:
+        del env[key]  # a repro started from inside a test session runs as a fresh CI shell would
     if host is not None:
         env[HOST_MEMORY_ENV] = host
     if device is not None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ci import repro
-from ci.jobs import ROOT
+from ci.jobs import JOBS, ROOT, pytest_args
 from ci.limits import apply_memory_limit
 from ci.verdicts import ReportError, failed_tests, format_comparison, format_verdicts, load_report, verdict
 
@@ -149,7 +149,7 @@ def test_cpu_repro_uses_the_ci_rows_arguments_environment_and_runner_memory(
     )
     command = shlex.split(out[-1].removeprefix("ci repro: "))
     assert command[1:] == [
-        "-m", "pytest", "-m", "L0", "--kit-report", str(tmp_path), "--junitxml", f"{tmp_path}/junit.xml",
+        "-m", "pytest", "-m", "L0", f"--kit-report={tmp_path}", f"--junitxml={tmp_path}/junit.xml",
         "-p", "no:randomly", "--durations=20", "-k", "flops",
     ]  # fmt: skip
 
@@ -182,6 +182,21 @@ def test_from_report_selects_the_reports_tier_and_exactly_its_failed_tests(
     command = shlex.split(out[-1].removeprefix("ci repro: "))
     assert command[-2:] == ["functional/test_b.py::test_big[2-gloo]", "unit/test_c.py::test_setup_error"]
     assert "unit/test_a.py::test_fine" not in out[-1] and "-m L1" in out[-1]
+
+
+def test_a_report_directory_outside_the_project_keeps_the_projects_config(tmp_path: Path) -> None:
+    """pytest reads a plugin option's separate value as a path when it picks the rootdir."""
+    args = pytest_args(JOBS["L0-cpu"], tmp_path / "reports")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "--collect-only", "-m", "no_such_marker_selected"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert f"rootdir: {ROOT}" in result.stdout and "configfile: pyproject.toml" in result.stdout, (
+        result.stdout
+    )
 
 
 def test_a_report_without_failures_reruns_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
