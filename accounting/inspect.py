@@ -20,10 +20,14 @@ Why it is built this way:
   megatron-core), so one regex selects the same layers with either backend and pipeline stages
   get distinct names.
 - **Backends.** Where Transformer Engine imports and matched layers are TE modules, the
-  statistics TE's `LogTensorStats` debug feature offers come from nvdlfw-inspect with TE's
-  features (TE computes them inside its GEMMs); the rest (e.g. `nan_count`) come from the hooks.
-  TE is never installed on CPU, so there the hooks do everything. The TE path is guarded by an
-  import check and cannot run in CPU CI; it is exercised only on GPU runners with TE.
+  statistics TE's `LogTensorStats` debug feature offers (`TE_STATS`) come from nvdlfw-inspect
+  with TE's features: TE computes them inside its GEMMs and logs them on `debug_api.step()`; the
+  rest (`nan_count`, `inf_count`) come from the hooks, and both merge into one record per
+  (step, layer, tensor). TE modules pick debug mode at construction, so on that path call
+  `start_nvdlfw_session(config)` before building the model. TE is never installed on CPU: there
+  the hooks do everything. The TE path is guarded (TE raises RuntimeError, not ImportError,
+  without CUDA libraries, and both are caught) and runs only on GPU runners with TE; on CPU the
+  unit tests drive the same session/logger/merge code with nvdlfw-inspect's generic feature.
 
 Statistics are per rank (no reduction across data-parallel ranks); each rank writes its own JSON
 lines file, and usually only one rank holds a TensorBoard writer. `std` is the unbiased standard
@@ -263,31 +267,113 @@ class _HookBackend:
         return hook
 
 
-class _TEBackend:
-    """nvdlfw-inspect driving Transformer Engine's `LogTensorStats` debug feature.
+# Listeners of the nvdlfw-inspect session's scalars: callables (layer, tensor, stat, value, step).
+# Module-level because nvdlfw-inspect's session is process-global and, with TE, must exist
+# before the model is built, i.e. before any inspector does.
+NVDLFW_LISTENERS: list[Callable[[str, str, str, float, int], None]] = []
 
-    Only importable with TE (GPU runners). TE modules decide at construction whether they run
-    in debug mode, so on this path call `TensorInspector.init_te_debug(...)` before building the
-    model; the inspector calls it itself otherwise, which only affects TE modules built later.
+
+def start_nvdlfw_session(
+    config: InspectConfig,
+    *,
+    namespace: str = "transformer_engine",
+    feature_dirs: list[str] | None = None,
+    log_dir: str | Path = ".",
+) -> None:
+    """Start nvdlfw-inspect's (process-global) debug session with its `LogTensorStats` for `config`.
+
+    `namespace="transformer_engine"` uses TE's features (found from the installed TE when
+    `feature_dirs` is None); TE modules choose debug mode when they are constructed, so call this
+    before building the model, then create the `TensorInspector`. `namespace="base"` uses
+    nvdlfw-inspect's own generic feature (called explicitly with `debug_api.log_tensor_stats`);
+    it serves as an independent implementation of the same statistics in the unit tests. Only the
+    statistics the feature knows are configured (`TE_STATS`); every scalar it logs is parsed back
+    into (layer, tensor, stat) and handed to the `NVDLFW_LISTENERS`.
+    """
+    import nvdlfw_inspect.api as debug_api
+    from nvdlfw_inspect.logging import BaseLogger
+
+    if namespace == "transformer_engine" and feature_dirs is None:
+        import transformer_engine
+
+        feature_dirs = [str(Path(transformer_engine.__file__).parent / "debug" / "features")]
+    stats = tuple(s for s in config.stats if s in TE_STATS)
+    tensors = tuple(t for t in config.tensors if t in TE_TENSORS)
+    session_config = {
+        "tensor_inspector": {
+            "enabled": True,
+            "layers": {"layer_name_regex_pattern": config.layers},
+            namespace: {
+                "LogTensorStats": {
+                    "enabled": True,
+                    "tensors": list(tensors),
+                    "stats": list(stats),
+                    "freq": config.every,
+                }
+            },
+        }
+    }
+
+    class _ListenerLogger(BaseLogger):
+        def log_scalar(self, name: str, value: float | int, iteration: int, **kwargs: Any) -> None:
+            parsed = _parse_nvdlfw_name(name, tensors, stats)
+            if parsed is not None:
+                for listener in list(NVDLFW_LISTENERS):
+                    listener(*parsed, float(value), int(iteration))
+
+    debug_api.initialize(
+        config_file=session_config,
+        feature_dirs=feature_dirs,
+        statistics_logger=_ListenerLogger(),
+        log_dir=str(log_dir),
+    )
+
+
+def end_nvdlfw_session() -> None:
+    """End nvdlfw-inspect's debug session (a no-op when none is running)."""
+    import nvdlfw_inspect.api as debug_api
+    import nvdlfw_inspect.logging as nvdlfw_logging
+
+    debug_api.end_debug()
+    # nvdlfw-inspect adds a file handler to its logger on every initialize and never closes it;
+    # close them so that a long session (many tests) does not accumulate open log files.
+    if nvdlfw_logging.LOGGER is not None:
+        for handler in list(nvdlfw_logging.LOGGER.logger.handlers):
+            nvdlfw_logging.LOGGER.logger.removeHandler(handler)
+            handler.close()
+
+
+class _TEBackend:
+    """nvdlfw-inspect driving Transformer Engine's `LogTensorStats` debug feature (GPU runners).
+
+    TE computes the statistics inside its GEMMs, buffers them, and logs them on
+    `debug_api.step()`; they reach the inspector through `NVDLFW_LISTENERS`. When no session is
+    running the inspector starts one (and ends it on close); TE modules built before that run
+    without debug hooks, so prefer `start_nvdlfw_session(config)` before building the model.
     """
 
-    def __init__(self, inspector: TensorInspector, model: Any, stats: tuple[str, ...]) -> None:
+    def __init__(self, config: InspectConfig, model: Any, listener: Callable[..., None]) -> None:
         import nvdlfw_inspect.api as debug_api
 
         self.api = debug_api
-        if debug_api.DEBUG_MANAGER is None:
-            TensorInspector.init_te_debug(inspector.config, stats, inspector._ingest_te, inspector.rank)
+        self.owns_session = debug_api.DEBUG_MANAGER is None
+        if self.owns_session:
+            start_nvdlfw_session(config)
         debug_api.infer_and_assign_layer_names(model)
+        self.listener = listener
+        NVDLFW_LISTENERS.append(listener)
 
     def begin(self, step: int) -> None:
         self.api.initialize_training_step(step)
 
     def end(self) -> None:
-        # TE buffers its statistics during the GEMMs and logs them (to our sink) on step().
         self.api.step()
 
     def close(self) -> None:
-        self.api.end_debug()
+        if self.listener in NVDLFW_LISTENERS:
+            NVDLFW_LISTENERS.remove(self.listener)
+        if self.owns_session:
+            end_nvdlfw_session()
 
 
 def _te_module_class() -> type | None:
@@ -345,15 +431,14 @@ class TensorInspector:
             )
         self.backend = "te" if (backend == "te" or (backend == "auto" and uses_te)) else "hooks"
         if self.backend == "te":
-            te_stats = tuple(s for s in self.config.stats if s in TE_STATS)
             self._hook_stats = tuple(s for s in self.config.stats if s not in TE_STATS)
-            self._te: _TEBackend | None = _TEBackend(self, model, te_stats)
+            self._te: _TEBackend | None = _TEBackend(self.config, model, self._on_nvdlfw_scalar)
         else:
             self._hook_stats = self.config.stats
             self._te = None
         self._hooks = _HookBackend(self.modules, self.config.tensors) if self._hook_stats else None
         self._step: int | None = None
-        self._te_records: list[dict[str, Any]] = []
+        self._nvdlfw_scalars: list[tuple[str, str, str, float, int]] = []
         self.history: list[dict[str, Any]] = []
 
     @property
@@ -384,17 +469,17 @@ class TensorInspector:
         records: list[dict[str, Any]] = []
         if self._hooks is not None:
             records = self._hook_records(step, self._hooks.detach())
-            self.sink.write(records)
         if self._te is not None:
-            self._te_records = []
-            self._te.end()  # TE logs its buffered statistics now, through _ingest_te
-            records = records + self._te_records
+            self._nvdlfw_scalars = []
+            self._te.end()  # TE logs its buffered statistics now, through _on_nvdlfw_scalar
+            records = _merge_scalars(records, self._nvdlfw_scalars, self.rank)
+        self.sink.write(records)
         self.history.extend(records)
         return records
 
-    def _ingest_te(self, record: dict[str, Any]) -> None:
-        self.sink.write([record])
-        self._te_records.append(record)
+    def _on_nvdlfw_scalar(self, layer: str, tensor: str, stat: str, value: float, step: int) -> None:
+        if stat in self.config.stats and tensor in self.config.tensors and layer in self.modules:
+            self._nvdlfw_scalars.append((layer, tensor, stat, value, step))
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -406,7 +491,7 @@ class TensorInspector:
             self.end_step()
 
     def close(self) -> None:
-        """Remove any hooks and shut the TE debug session down."""
+        """Remove any hooks; stop listening to (and end, if it started it) the nvdlfw-inspect session."""
         if self._hooks is not None:
             self._hooks.detach()
         if self._te is not None:
@@ -430,59 +515,19 @@ class TensorInspector:
             records.append({"step": step, "rank": self.rank, "layer": layer, "tensor": tensor, **values})
         return records
 
-    @staticmethod
-    def init_te_debug(
-        config: InspectConfig,
-        stats: tuple[str, ...],
-        on_record: Callable[[dict[str, Any]], None],
-        rank: int,
-        log_dir: str = ".",
-    ) -> None:
-        """Start nvdlfw-inspect with TE's features; each statistic TE logs goes to `on_record` (TE only)."""
-        import nvdlfw_inspect.api as debug_api
-        import transformer_engine
-        from nvdlfw_inspect.logging import BaseLogger
 
-        features = Path(transformer_engine.__file__).parent / "debug" / "features"
-        te_config = {
-            "tensor_inspector": {
-                "enabled": True,
-                "layers": {"layer_name_regex_pattern": config.layers},
-                "transformer_engine": {
-                    "LogTensorStats": {
-                        "enabled": True,
-                        "tensors": [t for t in config.tensors if t in TE_TENSORS],
-                        "stats": list(stats),
-                        "freq": config.every,
-                    }
-                },
-            }
-        }
-
-        class _SinkLogger(BaseLogger):
-            def log_scalar(self, name: str, value: float | int, iteration: int, **kwargs: Any) -> None:
-                parsed = _parse_te_name(name, config.tensors, stats)
-                if parsed is not None:
-                    layer, tensor, stat = parsed
-                    on_record(
-                        {
-                            "step": iteration,
-                            "rank": rank,
-                            "layer": layer,
-                            "tensor": tensor,
-                            stat: float(value),
-                        }
-                    )
-
-        debug_api.initialize(
-            config_file=te_config,
-            feature_dirs=[str(features)],
-            statistics_logger=_SinkLogger(),
-            log_dir=log_dir,
-        )
+def _merge_scalars(
+    records: list[dict[str, Any]], scalars: list[tuple[str, str, str, float, int]], rank: int
+) -> list[dict[str, Any]]:
+    """Fold nvdlfw-inspect's one-scalar-per-call output into the per-(step, layer, tensor) records."""
+    by_key = {(r["step"], r["layer"], r["tensor"]): r for r in records}
+    for layer, tensor, stat, value, step in scalars:
+        blank = {"step": step, "rank": rank, "layer": layer, "tensor": tensor}
+        by_key.setdefault((step, layer, tensor), blank)[stat] = value
+    return list(by_key.values())
 
 
-def _parse_te_name(
+def _parse_nvdlfw_name(
     name: str, tensors: tuple[str, ...], stats: tuple[str, ...]
 ) -> tuple[str, str, str] | None:
     """Split nvdlfw-inspect's `<layer>_<tensor>_<stat>` scalar name back into its parts."""
