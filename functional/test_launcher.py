@@ -53,6 +53,12 @@ SCENARIOS = textwrap.dedent(
         time.sleep(600)
 
 
+    def desync(rank, world_size):
+        if rank == 0:
+            dist.all_reduce(torch.ones(1))  # times out: rank 1 never joins
+        time.sleep(600)
+
+
     def error(rank, world_size):
         if rank == 0:
             raise ValueError("bad shard on rank 0")
@@ -64,6 +70,15 @@ SCENARIOS = textwrap.dedent(
             x = torch.ones(mib * 2**20 // 4)  # touched pages: resident, not just reserved
             return float(x[0])
         return 0.0
+
+
+    def leave_helpers(rank, world_size):
+        import multiprocessing
+
+        # As dist_checkpointing's async writer does: a spawn Manager (and its resource_tracker),
+        # never shut down because the rank exits without running atexit.
+        manager = multiprocessing.get_context("spawn").Manager()
+        return manager._process.pid
 
 
     def total(rank, world_size):
@@ -84,6 +99,11 @@ SCENARIOS = textwrap.dedent(
         run_ranks(hang, 2, timeout=20)
 
 
+    def test_desync():
+        # The process group times out (after 10 s) before the launch does (20 s).
+        run_ranks(desync, 2, timeout=20)
+
+
     def test_error():
         run_ranks(error, 2, timeout=120)
 
@@ -98,6 +118,17 @@ SCENARIOS = textwrap.dedent(
         results = run_ranks(total, 2, timeout=120)
         assert [r[0] for r in results] == [3.0, 3.0]
         assert all(r[2] == "1" for r in results)
+
+
+    def test_helpers_are_killed():
+        import psutil
+
+        (pid,) = run_ranks(leave_helpers, 1, timeout=120)
+        try:
+            alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            alive = False
+        assert not alive
 
 
     def test_without_ranks():
@@ -187,6 +218,17 @@ def test_sleeping_pair_is_a_hang_with_both_stacks(scenarios: dict[str, Any]) -> 
     assert message.count(" in hang") >= 2
 
 
+def test_collective_timeout_blames_the_rank_that_never_joined(scenarios: dict[str, Any]) -> None:
+    failure = _failure(scenarios, "test_desync")
+    assert (failure["rank"], failure["kind"]) == (1, "hang")
+    assert failure["first_line"].startswith(
+        "rank 1 hang: a collective timed out on rank 0; rank 1 entered the fewest collectives (0, none yet)"
+    )
+    # The timed-out rank's error and the culprit's stack (asleep, never in a collective).
+    assert "Timed out" in failure["message"] or "timed out" in failure["message"]
+    assert " in desync" in failure["message"]
+
+
 def test_exception_is_an_error_with_its_traceback(scenarios: dict[str, Any]) -> None:
     failure = _failure(scenarios, "test_error")
     assert (failure["rank"], failure["kind"]) == (0, "error")
@@ -227,11 +269,13 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
         "test_crash",
         "test_hang",
         "test_error",
+        "test_desync",
         "test_budget_overrun",
         "test_good_pair",
+        "test_helpers_are_killed",
         "test_without_ranks",
     }
-    assert report["session"]["outcome_counts"] == {"passed": 2, "failed": 5, "skipped": 0, "error": 0}
+    assert report["session"]["outcome_counts"] == {"passed": 3, "failed": 6, "skipped": 0, "error": 0}
     assert "-n" in report["session"]["pytest_args"]
     assert rows["test_without_ranks"]["world_size"] == 0
     assert rows["test_without_ranks"]["ranks"] == []
@@ -272,4 +316,10 @@ def test_nothing_is_left_running_after_the_session(scenarios: dict[str, Any]) ->
         if marker in env.get("KIT_RANK_SPEC", ""):
             stray.append(proc.pid)
     assert stray == []
-    assert all(row["leaked_processes"] == 0 for row in scenarios["report"]["tests"])
+    assert scenarios["rows"]["test_good_pair"]["leaked_processes"] == 0
+
+
+def test_helper_processes_a_rank_leaves_are_killed_and_counted(scenarios: dict[str, Any]) -> None:
+    row = scenarios["rows"]["test_helpers_are_killed"]
+    assert row["outcome"] == "passed", scenarios["output"][-3000:]
+    assert row["leaked_processes"] >= 1  # the Manager (and resource_tracker) the rank left

@@ -1,0 +1,221 @@
+"""The plugin around the launcher: markers, budgets, the leak guard, xdist, torchrun mode.
+
+In-process `pytester` runs where the inner session spawns nothing; a subprocess where it does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+import pytest
+
+# Imported here, before any in-process pytester run: pytester drops modules first imported inside
+# an inner session, and torch's C extension cannot be imported a second time.
+import torch.distributed  # noqa: F401
+
+from fixtures.ranks import run_ranks
+
+pytest_plugins = ["pytester"]
+
+pytestmark = pytest.mark.L0
+
+
+def test_markers_are_registered_by_the_plugin_itself(pytester: pytest.Pytester) -> None:
+    # No pyproject here: a repository that only pip-installs the kit.
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.L0
+        @pytest.mark.world_size(2)
+        @pytest.mark.memory_budget(host="1GiB", device="2GiB")
+        def test_marked():
+            pass
+
+        @pytest.mark.gpu
+        def test_needs_cuda():
+            pass
+
+        @pytest.mark.gpu
+        @pytest.mark.world_size(64)
+        def test_needs_many_gpus():
+            pass
+        """
+    )
+    result = pytester.runpytest("--strict-markers", "-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, skipped=2)
+    from fixtures.ranks import cuda_device_count
+
+    if cuda_device_count() == 0:
+        result.stdout.fnmatch_lines(["*needs CUDA (marked gpu); no CUDA device is visible*"])
+    else:
+        result.stdout.fnmatch_lines(["*needs 64 GPUs (marked gpu, world_size(64))*"])
+
+
+def test_garbage_budget_is_an_error_naming_the_value(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.memory_budget(host="plenty")
+        def test_budget():
+            pass
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*cannot parse memory size 'plenty'*"])
+
+
+def test_leak_guard_kills_a_leftover_child_and_errors(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import subprocess, sys
+
+        PIDS = []
+
+        def test_leaves_a_child():
+            PIDS.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]).pid)
+
+        def test_child_is_gone():
+            import psutil
+            try:
+                status = psutil.Process(PIDS[0]).status()
+            except psutil.NoSuchProcess:
+                status = "gone"
+            assert status in ("gone", psutil.STATUS_ZOMBIE)
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*kit leak guard: 1 child process(es) still alive after the test (killed)*"])
+
+
+def test_leak_guard_destroys_a_leftover_process_group(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import torch.distributed as dist
+
+        def test_leaves_a_group(tmp_path):
+            dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1)
+
+        def test_group_is_gone():
+            assert not dist.is_initialized()
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*default torch.distributed process group was left initialised*"])
+
+
+def test_report_covers_tests_without_ranks_and_skips(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        def test_plain():
+            pass
+
+        @pytest.mark.skip(reason="not today")
+        def test_skipped():
+            pass
+
+        def test_fails():
+            assert 1 == 2
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "--kit-report", "out")
+    result.assert_outcomes(passed=1, skipped=1, failed=1)
+    report = json.loads((pytester.path / "out" / "kit-report.json").read_text())
+    rows = {row["nodeid"].split("::")[-1]: row for row in report["tests"]}
+    assert {k: r["outcome"] for k, r in rows.items()} == {
+        "test_plain": "passed",
+        "test_skipped": "skipped",
+        "test_fails": "failed",
+    }
+    assert rows["test_fails"]["failure"]["first_line"] == "assert 1 == 2"
+    assert all(r["world_size"] == 0 for r in rows.values())
+    assert report["session"]["outcome_counts"] == {"passed": 1, "failed": 1, "skipped": 1, "error": 0}
+    assert (pytester.path / "out" / "kit-report.md").exists()
+
+
+def local_function_holder() -> Any:
+    def inner(rank: int, world_size: int) -> int:
+        return rank
+
+    return inner
+
+
+def test_a_local_function_is_refused_before_anything_is_spawned() -> None:
+    with pytest.raises(TypeError, match="needs a module-level function"):
+        run_ranks(local_function_holder(), 2)
+    with pytest.raises(TypeError, match="needs a module-level function"):
+        run_ranks(lambda rank, world_size: rank, 2)
+
+
+def where_am_i(rank: int, world_size: int) -> tuple[int, int, int, bool]:
+    import torch.distributed as dist
+
+    return rank, world_size, os.getpid(), dist.is_initialized()
+
+
+def test_under_torchrun_the_function_runs_in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {
+        "TORCHELASTIC_RUN_ID": "kit-test",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        monkeypatch.setenv(key, value)
+    assert run_ranks(where_am_i, 1, backend="gloo") == [(0, 1, os.getpid(), True)]
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the group it created is gone again
+    with pytest.raises(ValueError, match="inside a torchrun job of WORLD_SIZE=1"):
+        run_ranks(where_am_i, 2)
+
+
+def test_two_xdist_workers_run_rank_tests_at_once_without_colliding(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import json, os, time
+        import torch
+        import torch.distributed as dist
+        from fixtures.ranks import run_ranks
+
+        def pair(rank, world_size):
+            start = time.time()
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            time.sleep(4)  # long enough for the other worker's pair to be running too
+            dist.barrier()
+            return start, time.time(), t.item()
+
+        def run_and_record(name):
+            results = run_ranks(pair, 2, timeout=120)
+            assert [r[2] for r in results] == [2.0, 2.0]
+            span = (min(r[0] for r in results), max(r[1] for r in results))
+            with open(f"{name}.json", "w") as f:
+                json.dump({"worker": os.environ["PYTEST_XDIST_WORKER"], "span": span}, f)
+
+        def test_a():
+            run_and_record("a")
+
+        def test_b():
+            run_and_record("b")
+        """
+    )
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(passed=2)
+    a, b = (json.loads((pytester.path / f"{n}.json").read_text()) for n in "ab")
+    assert a["worker"] != b["worker"]
+    # The two 2-rank launches overlapped in time, so four ranks rendezvoused at once.
+    assert a["span"][0] < b["span"][1] and b["span"][0] < a["span"][1]

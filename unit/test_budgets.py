@@ -1,0 +1,101 @@
+"""Memory sizes and the `memory_budget` marker's value: parsing, formatting, clear errors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fixtures.budgets import MemoryBudget, format_size, parse_size
+
+pytestmark = pytest.mark.L0
+
+UNITS = {
+    "B": 1,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1.5GiB", 1536 * 2**20),
+        ("512MiB", 512 * 2**20),
+        ("2GB", 2 * 10**9),
+        ("2 gb", 2 * 10**9),
+        ("100", 100),
+        (".5KiB", 512),
+        (4096, 4096),
+        (None, None),
+    ],
+)
+def test_documented_sizes_parse_to_bytes(text: str | int | None, expected: int | None) -> None:
+    assert parse_size(text) == expected
+
+
+@given(st.integers(min_value=1, max_value=10**6), st.sampled_from(sorted(UNITS)))
+def test_integer_sizes_in_every_unit_are_exact(number: int, unit: str) -> None:
+    assert parse_size(f"{number}{unit}") == number * UNITS[unit]
+    assert parse_size(f"{number} {unit.lower()}") == number * UNITS[unit]
+
+
+@given(st.integers(min_value=1, max_value=2**50))
+def test_formatted_sizes_parse_back_within_rounding(size: int) -> None:
+    text = format_size(size).replace(" ", "")
+    assert abs(parse_size(text) - size) <= max(1, size * 0.005)
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("lots", "cannot parse memory size 'lots'"),
+        ("1.5 GiBs", "unknown unit 'GiBs'"),
+        ("GiB", "cannot parse"),
+        ("-1GiB", "cannot parse"),
+        ("0MiB", "must be positive"),
+        (0, "must be positive"),
+        (True, "got True"),
+        ([1], "got [1]"),
+    ],
+)
+def test_garbage_sizes_raise_value_error_saying_what_was_given(value: object, says: str) -> None:
+    with pytest.raises(ValueError, match=None) as info:
+        parse_size(value)  # type: ignore[arg-type]
+    assert says in str(info.value)
+
+
+def test_budget_from_marker_keywords() -> None:
+    mark = SimpleNamespace(args=(), kwargs={"host": "1.5GiB", "device": "4GiB"})
+    budget = MemoryBudget.from_marker(mark)
+    assert budget == MemoryBudget(host_bytes=1536 * 2**20, device_bytes=4 * 2**30)
+    assert budget.describe() == "host 1.50 GiB, device 4.00 GiB"
+    assert MemoryBudget().describe() == "-"
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "says"),
+    [
+        (("1GiB",), {}, "keywords only"),
+        ((), {"hots": "1GiB"}, "unknown keyword(s) ['hots']"),
+        ((), {"host": "a lot"}, "cannot parse memory size 'a lot'"),
+    ],
+)
+def test_bad_marker_arguments_are_named(args: tuple, kwargs: dict, says: str) -> None:
+    with pytest.raises(ValueError) as info:
+        MemoryBudget.from_marker(SimpleNamespace(args=args, kwargs=kwargs))
+    assert says in str(info.value)
+
+
+def test_format_size_picks_a_readable_unit() -> None:
+    assert format_size(None) == "-"
+    assert format_size(512) == "512 B"
+    assert format_size(600 * 2**20) == "600.00 MiB"
+    assert format_size(3 * 2**40) == "3072.00 GiB"

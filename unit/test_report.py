@@ -1,0 +1,162 @@
+"""The session report: folding pytest's phase reports into rows, and rendering them.
+
+Reports are plain namespaces with the attributes pytest's (and xdist's deserialised) reports
+carry; the ``kit`` dict is what the plugin attaches.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from fixtures.report import ReportCollector, build_report, format_markdown, format_table, write_report
+
+pytestmark = pytest.mark.L0
+
+TEST_KEYS = {
+    "nodeid",
+    "outcome",
+    "duration_s",
+    "world_size",
+    "backend",
+    "seed",
+    "budget_host_bytes",
+    "budget_device_bytes",
+    "peak_host_bytes",
+    "peak_device_bytes",
+    "ranks",
+    "failure",
+    "pytest_rss_before_bytes",
+    "pytest_rss_after_bytes",
+    "leaked_processes",
+    "log_dir",
+}
+
+
+def phase(
+    nodeid: str, when: str, outcome: str = "passed", duration: float = 0.1, **kit: Any
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        nodeid=nodeid, when=when, outcome=outcome, duration=duration, kit=kit, longrepr=None, longreprtext=""
+    )
+
+
+def run(world_size: int, peaks: list[int | None], *, leaked: int = 0, log_dir: str | None = None) -> dict:
+    return {
+        "world_size": world_size,
+        "backend": "gloo",
+        "started": 0.0,
+        "seed": 7,
+        "duration_s": 1.0,
+        "log_dir": log_dir,
+        "ranks": [
+            {"rank": r, "peak_host_bytes": p, "peak_device_bytes": None, "exit_code": 0, "signal": None}
+            for r, p in enumerate(peaks)
+        ],
+        "failure": None,
+        "leaked_processes": leaked,
+    }
+
+
+def collect(*reports: SimpleNamespace) -> list[dict]:
+    collector = ReportCollector()
+    for report in reports:
+        collector.add(report)
+    return collector.rows_json()
+
+
+def test_a_row_has_exactly_the_contract_fields() -> None:
+    (row,) = collect(phase("t.py::a", "setup"), phase("t.py::a", "call"), phase("t.py::a", "teardown"))
+    assert set(row) >= TEST_KEYS
+    assert (row["outcome"], row["world_size"], row["ranks"], row["failure"]) == ("passed", 0, [], None)
+    assert row["duration_s"] == pytest.approx(0.3)
+
+
+def test_peaks_are_maxima_over_ranks_and_launches() -> None:
+    (row,) = collect(
+        phase("t.py::a", "setup", pytest_rss_before_bytes=100, budget_host_bytes=2**30),
+        phase("t.py::a", "call", runs=[run(2, [10, 50]), run(3, [40, 20, 30], leaked=1, log_dir="/l")]),
+        phase("t.py::a", "teardown", pytest_rss_after_bytes=150, leaked_processes=2),
+    )
+    assert row["world_size"] == 3
+    assert [r["peak_host_bytes"] for r in row["ranks"]] == [40, 50, 30]
+    assert row["peak_host_bytes"] == 50
+    assert row["peak_device_bytes"] is None
+    assert row["leaked_processes"] == 3
+    assert (row["pytest_rss_before_bytes"], row["pytest_rss_after_bytes"]) == (100, 150)
+    assert (row["budget_host_bytes"], row["log_dir"], row["seed"]) == (2**30, "/l", 7)
+
+
+@pytest.mark.parametrize(
+    ("phases", "outcome"),
+    [
+        ([("setup", "passed"), ("call", "failed"), ("teardown", "passed")], "failed"),
+        ([("setup", "failed"), ("teardown", "passed")], "error"),
+        ([("setup", "passed"), ("call", "passed"), ("teardown", "failed")], "error"),
+        ([("setup", "passed"), ("call", "failed"), ("teardown", "failed")], "failed"),
+        ([("setup", "skipped"), ("teardown", "passed")], "skipped"),
+    ],
+)
+def test_phase_outcomes_combine_as_pytest_counts_them(phases: list[tuple[str, str]], outcome: str) -> None:
+    (row,) = collect(*(phase("t.py::a", when, result) for when, result in phases))
+    assert row["outcome"] == outcome
+
+
+def test_rank_failure_is_kept_and_other_failures_get_their_first_line() -> None:
+    failure = {"rank": 1, "kind": "oom", "first_line": "rank 1 oom: MemoryError", "message": "..."}
+    plain = phase("t.py::b", "call", "failed")
+    plain.longrepr = SimpleNamespace(reprcrash=SimpleNamespace(message="assert 1 == 2"))
+    plain.longreprtext = "def test_b():\n>   assert 1 == 2\nE   assert 1 == 2"
+    rows = collect(phase("t.py::a", "call", "failed", failure=failure), plain)
+    assert rows[0]["failure"] == failure
+    assert rows[1]["failure"]["first_line"] == "assert 1 == 2"
+    assert rows[1]["failure"]["kind"] is None
+
+
+def report_of(rows: list[dict]) -> dict:
+    return build_report({"host": "h", "cpu_count": 2, "gpus": 0, "torch": "2.13.0", "duration_s": 3.0}, rows)
+
+
+def test_table_and_markdown_show_rank_tests_and_count_the_rest() -> None:
+    failure = {"rank": 1, "kind": "oom", "first_line": "rank 1 oom: MemoryError | x", "message": "m"}
+    rows = collect(
+        phase("t.py::ranks", "call", runs=[run(2, [300 * 2**20, 400 * 2**20])], budget_host_bytes=2**30),
+        phase("t.py::bad", "call", "failed", runs=[run(2, [1, 2], log_dir="/logs/bad")], failure=failure),
+        phase("t.py::plain", "call"),
+    )
+    report = report_of(rows)
+    assert report["session"]["outcome_counts"] == {"passed": 2, "failed": 1, "skipped": 0, "error": 0}
+    table = format_table(report)
+    assert "t.py::ranks" in table and "400.00 MiB" in table and "host 1.00 GiB" in table
+    assert "failed (rank 1 oom)" in table
+    assert "t.py::plain" not in table
+    assert "1 tests ran no ranks" in table
+    markdown = format_markdown(report)
+    assert "| t.py::ranks | 2 | gloo |" in markdown
+    assert "rank 1 oom: MemoryError \\| x" in markdown  # a pipe cannot break the table
+    assert "rank logs: `/logs/bad`" in markdown
+
+
+def test_rss_growth_is_summed_over_rank_tests() -> None:
+    rows = collect(
+        phase("t.py::a", "setup", pytest_rss_before_bytes=0),
+        phase("t.py::a", "call", runs=[run(2, [1, 1])]),
+        phase("t.py::a", "teardown", pytest_rss_after_bytes=3 * 2**20),
+        phase("t.py::plain", "setup", pytest_rss_before_bytes=0),
+        phase("t.py::plain", "teardown", pytest_rss_after_bytes=100 * 2**20),
+    )
+    assert "pytest RSS grew 3.0 MiB across 1 rank tests" in format_table(report_of(rows))
+
+
+def test_write_report_writes_both_files_and_appends_the_step_summary(tmp_path: Any, monkeypatch: Any) -> None:
+    summary = tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    report = report_of(collect(phase("t.py::a", "call", runs=[run(1, [5])])))
+    json_path, md_path = write_report(report, tmp_path / "out")
+    assert json.loads(json_path.read_text()) == json.loads(json.dumps(report))
+    assert md_path.read_text().startswith("## Kit report")
+    assert summary.read_text() == "earlier step\n" + md_path.read_text()
