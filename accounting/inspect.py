@@ -29,7 +29,9 @@ Why it is built this way:
   without CUDA libraries, and both are caught) and runs only on GPU runners with TE; on CPU the
   unit tests drive the same session/logger/merge code with nvdlfw-inspect's generic feature.
 
-Statistics are per rank (no reduction across data-parallel ranks); each rank writes its own JSON
+Caveats: a forward recomputed for activation checkpointing counts as another microbatch, and
+`dgrad` is the gradient of the input tensor, so layers sharing one input see the summed
+gradient. Statistics are per rank (no reduction across data-parallel ranks); each rank writes its own JSON
 lines file, and usually only one rank holds a TensorBoard writer. `std` is the unbiased standard
 deviation (`torch.std`'s default, as nvdlfw-inspect and TE use). A tensor containing NaN yields NaN
 for every statistic except the counts, as torch's own reductions do.
@@ -232,7 +234,7 @@ class _HookBackend:
         self._rows = {}
         self._weights_seen = set()
         for name, module in self.modules.items():
-            self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+            self._handles.append(module.register_forward_hook(self._forward_hook(name), with_kwargs=True))
 
     def detach(self) -> dict[tuple[str, str], list[torch.Tensor]]:
         for handle in self._handles:
@@ -248,8 +250,8 @@ class _HookBackend:
     def _forward_hook(self, layer: str):
         wanted = self.tensors
 
-        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            inp = args[0] if args else None
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            inp = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
             # megatron's parallel linears return (output, bias): the tensor is the first item.
             out = output[0] if isinstance(output, (tuple, list)) else output
             if "activation" in wanted:

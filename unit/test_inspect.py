@@ -315,3 +315,15 @@ def test_tensorboard_and_jsonl_outputs_read_back(tmp_path) -> None:
             events = acc.Scalars(f"inspect/model.layers.1.fc2/{rec['tensor']}/{stat}")
             (value,) = [e.value for e in events if e.step == rec["step"]]
             assert value == pytest.approx(rec[stat], rel=1e-6)  # TB stores float32
+
+
+def test_activation_is_found_when_the_layer_is_called_with_keywords() -> None:
+    fc1 = torch.nn.Linear(8, 4)
+    model = torch.nn.Sequential()
+    model.add_module("fc1", fc1)
+    inspector = TensorInspector(model, layers="fc1", tensors=("activation",), every=1)
+    x = torch.randn(3, 8)
+    with inspector.step(1):
+        fc1(input=x)
+    (rec,) = inspector.history
+    assert_stats_close(rec, reference_stats(x))
