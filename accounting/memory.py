@@ -119,9 +119,10 @@ def reduce_max_memory(
     buf[_CAPACITY:] = torch.tensor([key_hash, -key_hash, count, -count, float(overflow)], dtype=torch.float64)
 
     if return_ranks:
-        gathered = torch.empty(size, buf.numel(), dtype=torch.float64, device=buf.device)
+        # Flat output: gloo only accepts the concatenation, NCCL takes both.
+        gathered = torch.empty(size * buf.numel(), dtype=torch.float64, device=buf.device)
         dist.all_gather_into_tensor(gathered, buf, group=group)
-        rows = gathered.cpu()
+        rows = gathered.view(size, buf.numel()).cpu()
         _check_alignment(
             keys, rows[:, _CAPACITY].tolist(), rows[:, _CAPACITY + 2].tolist(), rows[:, -1].tolist()
         )

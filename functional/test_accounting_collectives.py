@@ -1,0 +1,219 @@
+"""The accounting library's collectives on real process groups (gloo on CPU, NCCL with enough GPUs).
+
+Each spawn runs several checks in one rank function (a spawn costs seconds). Collectives are
+counted for real inside the ranks by wrapping `torch.distributed`'s functions, so "exactly one
+all-reduce" and "no collective" are measured, not assumed. Expected values are plain Python sums
+and maxima over the inputs the parent generated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fixtures.ranks import run_ranks
+from unit.strategies import cu_from_lengths, doc_lengths, rank_memory_reports
+
+pytestmark = [pytest.mark.L0]
+
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce_scatter",
+    "barrier",
+)
+
+
+def _count_collectives() -> dict[str, int]:
+    """Wraps torch.distributed's collectives in this rank; returns the live call counter."""
+    counts = dict.fromkeys(_COLLECTIVES, 0)
+    for name in _COLLECTIVES:
+        original = getattr(torch.distributed, name)
+
+        @functools.wraps(original)
+        def counted(*args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(torch.distributed, name, counted)
+    return counts
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor(cu_from_lengths(lengths, len(lengths) + 2, "sentinel"), dtype=torch.int32)
+
+
+# ---------------------------------------------------------------- FLOPs accumulator, DP=2
+
+
+def _dp_checks(rank: int, world_size: int, packs_per_rank: list[list[list[int]]]) -> dict:
+    from accounting import FlopsAccumulator, ModelShape
+
+    counts = _count_collectives()
+    world = torch.distributed.group.WORLD
+    shape = ModelShape(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32)
+    out = {}
+
+    packed = FlopsAccumulator(packed=True, dp_group=world)
+    for lengths in packs_per_rank[rank]:
+        packed.add_microbatch(cu_seqlens=_cu(lengths))
+    before = dict(counts)
+    out["packed"] = packed.resolve().to_dict()
+    out["packed_collectives"] = {k: counts[k] - before[k] for k in counts}
+
+    dense = FlopsAccumulator(packed=False, dp_group=world)
+    dense.add_microbatch(micro_batch_size=2, seq_len=16)
+    before = dict(counts)
+    out["dense"] = dense.resolve().to_dict()
+    out["dense_collectives"] = sum(counts.values()) - sum(before.values())
+
+    # Rank 1 sees a degenerate pack (only zero-length segments), then no microbatch at all:
+    # it must still join the reduce, or rank 0 would wait forever.
+    degenerate = FlopsAccumulator(packed=True, dp_group=world)
+    degenerate.add_microbatch(cu_seqlens=_cu([5, 7]) if rank == 0 else torch.tensor([0, 0, 0]))
+    out["degenerate"] = degenerate.resolve().to_dict()
+    nothing = FlopsAccumulator(packed=True, dp_group=world)
+    if rank == 0:
+        nothing.add_microbatch(cu_seqlens=_cu([3]))
+    before = dict(counts)
+    out["step_flops"] = nothing.step(shape)
+    out["nothing_collectives"] = counts["all_reduce"] - before["all_reduce"]
+    return out
+
+
+@given(
+    st.lists(
+        st.lists(doc_lengths(min_docs=0, max_docs=5, max_len=200), min_size=1, max_size=3),
+        min_size=2,
+        max_size=2,
+    )
+)
+@settings(max_examples=1, deadline=None)
+@pytest.mark.world_size(2)
+def test_packed_dp_reduce_is_one_exact_all_reduce_and_dense_runs_none(packs_per_rank):
+    results = run_ranks(_dp_checks, 2, args=(packs_per_rank,), timeout=120)
+    every_doc = [s for rank_packs in packs_per_rank for lengths in rank_packs for s in lengths]
+    for out in results:
+        assert out["packed"]["tokens"] == sum(every_doc)
+        assert out["packed"]["squared"] == sum(s * s for s in every_doc)
+        assert out["packed"]["num_sequences"] == len(every_doc)
+        assert out["packed_collectives"] == {**dict.fromkeys(_COLLECTIVES, 0), "all_reduce": 1}
+        assert out["dense"]["tokens"] == 2 * 2 * 16 and out["dense"]["squared"] == 2 * 2 * 16 * 16
+        assert out["dense_collectives"] == 0
+        assert (out["degenerate"]["tokens"], out["degenerate"]["squared"]) == (12, 25 + 49)
+        assert out["nothing_collectives"] == 1
+    assert results[0]["step_flops"] == results[1]["step_flops"] > 0
+
+
+# ---------------------------------------------------------------- CP=2 x DP=2 on 4 ranks
+
+
+def _cp_dp_checks(rank: int, world_size: int, dp_packs: list[list[int]]) -> dict:
+    from accounting import FlopsAccumulator, reduce_max_memory
+
+    counts = _count_collectives()
+    # Layout: rank = dp * 2 + cp. CP pairs {0,1}, {2,3} share a DP rank; DP groups {0,2}, {1,3}.
+    dp_groups = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
+    dp_group = dp_groups[rank % 2]
+    dp_rank = rank // 2
+    acc = FlopsAccumulator(packed=True, dp_group=dp_group)
+    # Every CP rank of a DP rank sees the same, full cu_seqlens (tokens are CP-sliced, lengths are not).
+    acc.add_microbatch(cu_seqlens=_cu(dp_packs[dp_rank]), tokens=torch.zeros(1, 4), seq_len=1024)
+    before = counts["all_reduce"]
+    stats = acc.resolve().to_dict()
+    reduces = counts["all_reduce"] - before
+
+    report = {"peak_rss_bytes": 1000 + rank if rank in (1, 3) else 5000, "ooms": rank}
+    values, ranks = (
+        reduce_max_memory(report, dp_groups[1], return_ranks=True) if rank in (1, 3) else (None, None)
+    )
+    return {"stats": stats, "reduces": reduces, "values": values, "ranks": ranks}
+
+
+@pytest.mark.world_size(4)
+def test_cp_ranks_are_counted_once_by_reducing_over_the_pure_dp_group():
+    dp_packs = [[100, 30, 7], [512, 1]]
+    results = run_ranks(_cp_dp_checks, 4, args=(dp_packs,), timeout=180)
+    docs = dp_packs[0] + dp_packs[1]
+    for out in results:
+        assert out["stats"]["tokens"] == sum(docs)  # not 2x: CP ranks are not summed
+        assert out["stats"]["squared"] == sum(s * s for s in docs)
+        assert out["stats"]["padded_tokens"] == 2 * 1024  # the configured pack length, not the CP slice
+        assert out["reduces"] == 1
+    # On the subgroup {1, 3}, ranks are reported as GLOBAL ranks.
+    for rank in (1, 3):
+        assert results[rank]["values"] == {"peak_rss_bytes": 1003, "ooms": 3}
+        assert results[rank]["ranks"] == {"peak_rss_bytes": 3, "ooms": 3}
+
+
+# ---------------------------------------------------------------- reduce_max_memory, 2 ranks
+
+
+def _memory_checks(rank: int, world_size: int, cases: list[list[dict]]) -> dict:
+    from accounting import reduce_max_memory
+
+    counts = _count_collectives()
+    world = torch.distributed.group.WORLD
+    out = {"values": [], "ranked": [], "collectives": [], "unchanged": True}
+    for reports in cases:
+        mine = reports[rank]
+        copy = dict(mine)
+        before = sum(counts.values())
+        out["values"].append(reduce_max_memory(mine, world))
+        out["ranked"].append(reduce_max_memory(mine, world, return_ranks=True))
+        out["collectives"].append(sum(counts.values()) - before)
+        out["unchanged"] &= mine == copy and [type(v) for v in mine.values()] == [
+            type(v) for v in copy.values()
+        ]
+
+    errors = []
+    mismatches = [
+        ({"a": 1, "b": 2}, {"a": 1, "c": 2}),  # same count, different names
+        ({"a": 1}, {"a": 1, "b": 2}),  # different counts (different tensor lengths would misalign)
+    ]
+    for pair in mismatches:
+        for return_ranks in (False, True):
+            try:
+                reduce_max_memory(pair[rank], world, return_ranks=return_ranks)
+                errors.append(None)
+            except ValueError as err:
+                errors.append(str(err))
+    out["errors"] = errors
+    return out
+
+
+def _expected_max(reports: list[dict]) -> tuple[dict, dict]:
+    values, ranks = {}, {}
+    for key in reports[0]:
+        column = [float(r[key]) for r in reports]
+        best = max(column)
+        ranks[key] = column.index(best)  # lowest rank on ties
+        original = reports[0][key]
+        values[key] = (
+            bool(best) if isinstance(original, bool) else int(best) if isinstance(original, int) else best
+        )
+    return values, ranks
+
+
+@given(st.lists(rank_memory_reports(2), min_size=12, max_size=12))
+@settings(max_examples=1, deadline=None)
+@pytest.mark.world_size(2)
+def test_reduce_max_memory_equals_the_elementwise_max_keeps_types_and_names_the_ranks(cases):
+    cases = [*cases, [{"peak_allocated_bytes": 7, "ooms": 0}, {"peak_allocated_bytes": 7, "ooms": 0}]]  # ties
+    results = run_ranks(_memory_checks, 2, args=(cases,), timeout=120)
+    for out in results:
+        assert out["unchanged"]
+        assert out["collectives"] == [2] * len(cases)  # one per call, two calls per case
+        for reports, values, (ranked_values, ranks) in zip(cases, out["values"], out["ranked"], strict=True):
+            expected_values, expected_ranks = _expected_max(reports)
+            assert values == expected_values and ranked_values == expected_values
+            assert [type(v) for v in values.values()] == [type(v) for v in reports[0].values()]
+            assert list(values) == list(reports[0])  # the caller's key order
+            assert ranks == expected_ranks
+        assert all(e is not None and "ranks report different keys" in e for e in out["errors"]), out["errors"]
