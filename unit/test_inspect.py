@@ -26,6 +26,8 @@ from accounting.inspect import (
     partial_stats,
 )
 
+pytestmark = pytest.mark.L0
+
 ALL_TENSORS = ("activation", "weight", "output", "gradient", "dgrad")
 
 

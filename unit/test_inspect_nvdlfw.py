@@ -24,6 +24,8 @@ from accounting.inspect import (
     start_nvdlfw_session,
 )
 
+pytestmark = pytest.mark.L0
+
 
 @pytest.fixture
 def nvdlfw_base(tmp_path):
