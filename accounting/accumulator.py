@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from accounting.flops import FlopsBreakdown, ModelShape, training_flops
-from accounting.seqlens import SeqlenStats, normalize_window, seqlen_stats, validate_cu_seqlens
+from accounting.seqlens import SeqlenStats, normalize_window, seqlen_stats_vector, validate_cu_seqlens
 
 __all__ = ["FlopsAccumulator"]
 
@@ -116,9 +116,7 @@ class FlopsAccumulator:
         pack_len = seq_len if seq_len is not None else (tokens.shape[-1] if tokens is not None else None)
         if self.validate:
             validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, pack_len=pack_len)
-        vec = seqlen_stats(
-            cu_seqlens, cu_seqlens_padded, window_size=self.window, pack_len=pack_len
-        ).to_vector()
+        vec = seqlen_stats_vector(cu_seqlens, cu_seqlens_padded, window=self.window, pack_len=pack_len)
         self._packed_sum = vec if self._packed_sum is None else self._packed_sum + vec
 
     def _add_dense(self, tokens, seq_len, micro_batch_size) -> None:

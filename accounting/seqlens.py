@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["SeqlenStats", "normalize_window", "seqlen_stats", "validate_cu_seqlens"]
+__all__ = ["SeqlenStats", "normalize_window", "seqlen_stats", "seqlen_stats_vector", "validate_cu_seqlens"]
 
 Window = tuple[int, int]
 
@@ -48,18 +48,18 @@ def normalize_window(window_size: int | tuple[int, int] | list[int] | None) -> W
     return (left, right)
 
 
-def _pairs_beyond(lengths: torch.Tensor, side: int) -> torch.Tensor:
-    """Sum over documents of the (query, key) pairs more than `side` positions apart in one direction."""
+def _beyond(lengths: torch.Tensor, side: int) -> torch.Tensor:
+    """Per document, the (query, key) pairs more than `side` positions apart in one direction."""
     if side < 0:
-        return lengths.new_zeros((), dtype=torch.int64)
+        return torch.zeros_like(lengths)
     # A document of length s has m = s - 1 - side queries with keys beyond the window,
     # contributing 1 + 2 + ... + m = m (m + 1) / 2 pairs (m (m + 1) is always even).
     m = torch.clamp(lengths - (1 + side), min=0)
-    return torch.div(m * (m + 1), 2, rounding_mode="floor").sum()
+    return torch.div(m * (m + 1), 2, rounding_mode="floor")
 
 
 def _int_python_pairs_beyond(length: int, side: int) -> int:
-    """Python-int twin of `_pairs_beyond` for one document (used by the dense constructor)."""
+    """Python-int twin of `_beyond` for one document (used by the dense constructor)."""
     if side < 0:
         return 0
     m = max(0, length - 1 - side)
@@ -195,6 +195,18 @@ def seqlen_stats(
     Malformed input is not detected here: call `validate_cu_seqlens` in debug mode.
     """
     window = normalize_window(window_size)
+    vec = seqlen_stats_vector(cu_seqlens, cu_seqlens_padded, window=window, pack_len=pack_len)
+    return SeqlenStats.from_vector(vec, window=window)
+
+
+def seqlen_stats_vector(
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    *,
+    window: Window | None = None,
+    pack_len: int | None = None,
+) -> torch.Tensor:
+    """`seqlen_stats` as one int64 vector in `SeqlenStats.field_names()` order (few kernels, no sync)."""
     real = _segment_lengths(_as_rows(cu_seqlens, "cu_seqlens"))
     if cu_seqlens_padded is None:
         padded = real
@@ -205,26 +217,20 @@ def seqlen_stats(
                 f"cu_seqlens_padded has {padded_rows.shape[0]} rows but cu_seqlens has {real.shape[0]}"
             )
         padded = _segment_lengths(padded_rows).to(real.device)
-    if pack_len is None:
-        padded_tokens = padded.sum()
-    else:
+    features = [(real > 0).to(torch.int64), real, real * real, padded, padded * padded]
+    if window is not None:
+        left, right = window
+        features += [_beyond(real, left), _beyond(real, right), _beyond(padded, left), _beyond(padded, right)]
+    # One reduction over all features instead of one kernel (and one tensor) per field.
+    vec = torch.stack(features).flatten(1).sum(-1)
+    if window is None:
+        vec = torch.cat([vec, vec.new_zeros(4)])
+    if pack_len is not None:
         if isinstance(pack_len, bool) or not isinstance(pack_len, int) or pack_len < 0:
             raise ValueError(f"pack_len = {pack_len!r} must be an int >= 0")
-        # A fill kernel, not a host-to-device copy: stays sync-free on CUDA.
-        padded_tokens = torch.full((), real.shape[0] * pack_len, dtype=torch.int64, device=real.device)
-    left, right = window if window is not None else (-1, -1)
-    return SeqlenStats(
-        num_sequences=(real > 0).sum(),
-        tokens=real.sum(),
-        squared=(real * real).sum(),
-        padded_tokens=padded_tokens,
-        padded_squared=(padded * padded).sum(),
-        beyond_left=_pairs_beyond(real, left),
-        beyond_right=_pairs_beyond(real, right),
-        padded_beyond_left=_pairs_beyond(padded, left),
-        padded_beyond_right=_pairs_beyond(padded, right),
-        window=window,
-    )
+        # An in-place fill, not a host-to-device copy: stays sync-free on CUDA.
+        vec[3].fill_(real.shape[0] * pack_len)
+    return vec
 
 
 def _where(name: str, row: int, col: int, two_d: bool) -> str:

@@ -1,0 +1,87 @@
+"""Per-microbatch cost of `FlopsAccumulator.add_microbatch` vs a syncing `.tolist()` loop.
+
+Run: `.venv/bin/python ci/bench_accounting.py [--repeat N] [--rows R]`. For packs of 8, 512 and
+8192 documents (a 2-D `[rows, n+1]` cu_seqlens with a -1 tail), prints side by side:
+
+- ours on CPU tensors: a fixed number (~15) of vectorised kernels per call whatever the number
+  of documents, so the Python/dispatcher part is constant and only the C++ kernels' time grows;
+- a straightforward syncing implementation: `.tolist()` then a Python loop over the lengths,
+  whose Python time grows linearly with the documents.
+(`meta` tensors prove sync-freedom in the unit tests but are no timing baseline: their shape
+kernels run much slower than real CPU kernels.)
+
+On a GPU the syncing version would also stall the CPU until the device catches up, every
+microbatch; that cost is not shown here. This is a benchmark, not a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from accounting import FlopsAccumulator
+
+
+def syncing_stats(cu_seqlens: torch.Tensor) -> tuple[int, int, int]:
+    """The straightforward version: read the boundaries back and loop over the lengths in Python."""
+    tokens = squared = docs = 0
+    for row in cu_seqlens.tolist():
+        last = 0
+        for value in row[1:]:
+            if value < 0:
+                break
+            length = value - last
+            tokens, squared, docs = tokens + length, squared + length * length, docs + (length > 0)
+            last = value
+    return docs, tokens, squared
+
+
+def make_pack(docs: int, rows: int, pack_len: int = 8192 * 8) -> torch.Tensor:
+    """`rows` rows of `docs` random-length documents each, plus a -1 tail of 2 entries."""
+    gen = torch.Generator().manual_seed(docs)
+    lengths = torch.randint(1, max(2, pack_len // docs), (rows, docs), generator=gen)
+    cu = torch.cat([torch.zeros(rows, 1, dtype=torch.int64), lengths.cumsum(-1)], dim=-1)
+    return torch.cat([cu, torch.full((rows, 2), -1, dtype=torch.int64)], dim=-1).to(torch.int32)
+
+
+def per_call_us(fn, repeat: int) -> float:
+    """Median-of-3 mean time per call, in microseconds."""
+    fn()  # warm-up
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        runs.append((time.perf_counter() - start) / repeat * 1e6)
+    return sorted(runs)[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--rows", type=int, default=4, help="micro-batch rows of the 2-D cu_seqlens")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(
+        f"add_microbatch per call, 2-D cu_seqlens [{args.rows}, docs+3], int32, -1 tail; torch {torch.__version__}"
+    )
+    print(f"{'docs/row':>9} {'ours (us)':>10} {'tolist loop (us)':>17} {'loop/ours':>10}")
+    for docs in (8, 512, 8192):
+        cu = make_pack(docs, args.rows)
+        acc = FlopsAccumulator(packed=True)
+        ours = per_call_us(
+            lambda cu=cu, a=acc: a.add_microbatch(cu_seqlens=cu, seq_len=8192 * 8), args.repeat
+        )
+        loop = per_call_us(lambda cu=cu: syncing_stats(cu), max(1, args.repeat // (1 + docs // 512)))
+        expected = syncing_stats(cu)
+        got = FlopsAccumulator(packed=True)
+        got.add_microbatch(cu_seqlens=cu)
+        stats = got.resolve().to_dict()
+        assert (stats["num_sequences"], stats["tokens"], stats["squared"]) == expected, (stats, expected)
+        print(f"{docs:>9} {ours:>10.1f} {loop:>17.1f} {loop / ours:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
