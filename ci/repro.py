@@ -97,18 +97,24 @@ def _visible_gpus() -> int:
     return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
 
 
-def environment(job: Job, reports: Path, gpus: int, host: str | None, device: str | None) -> dict[str, str]:
-    """The job's variables over ours, with the requested limits and the GPUs the job has."""
-    env = {**os.environ, **job.environment(reports)}
+def job_variables(job: Job, reports: Path, gpus: int, host: str | None, device: str | None) -> dict[str, str]:
+    """The variables the run sets: the job's, with the requested limits and the GPUs it has."""
+    variables = job.environment(reports)
+    if host is not None:
+        variables[HOST_MEMORY_ENV] = host
+    if device is not None:
+        variables[DEVICE_MEMORY_ENV] = device
+    if gpus > 0 and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        variables["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+    return variables
+
+
+def environment(variables: dict[str, str]) -> dict[str, str]:
+    """Ours, overridden by `variables`, less what would make the run differ from a fresh CI shell."""
+    env = {**os.environ, **variables}
     env.pop("KIT_SEED", None)  # seeds come from the node ids, as in CI
     for key in [k for k in env if k == "PYTEST_CURRENT_TEST" or k.startswith("PYTEST_XDIST_")]:
-        del env[key]  # a repro started from inside a test session runs as a fresh CI shell would
-    if host is not None:
-        env[HOST_MEMORY_ENV] = host
-    if device is not None:
-        env[DEVICE_MEMORY_ENV] = device
-    if gpus > 0 and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+        del env[key]  # e.g. a repro started from inside a test session
     return env
 
 
@@ -167,15 +173,15 @@ def run(argv: list[str]) -> int:
         command += ["-k", args.keyword]
     command += [test["nodeid"] for test in ci_failed]
     command += args.pytest_args
-    env = environment(job, reports, gpus, host, device)
+    variables = job_variables(job, reports, gpus, host, device)
+    env = environment(variables)
 
     _say(
         f"job {job.name} (tier {job.tier}, runs-on {', '.join(job.runs_on)}){': ' + source if source else ''}"
     )
     _say(f"per-GPU memory {device or '-'}; GPUs {gpus} (visible here: {_visible_gpus()})")
     if args.dry_run:
-        changed = {k: v for k, v in env.items() if os.environ.get(k) != v}
-        _say("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changed.items())))
+        _say("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items())))
         _say(shlex.join(command))
         return 0
 
