@@ -122,3 +122,21 @@ def test_signal_names() -> None:
     assert signal_name(-11) == "SIGSEGV"
     assert signal_name(1) is None
     assert signal_name(None) is None
+
+
+def test_a_rank_aborted_by_the_nccl_watchdog_is_a_hang_not_a_crash() -> None:
+    # NCCL's watchdog cannot be triggered on a CPU runner: the record is built from the log line
+    # ProcessGroupNCCL prints before it aborts the process.
+    tail = "[rank0]:[E ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)"
+    aborted = failed(0, 30.0, signal="SIGABRT", collective_seq=7, log_tail=tail)
+    behind = failed(1, 30.1, signal="SIGABRT", collective_seq=6, log_tail=tail.replace("Rank 0", "Rank 1"))
+    root = root_cause([aborted, behind])
+    assert (root.rank, root.kind) == (1, "hang")
+
+
+def test_an_oom_before_the_watchdog_fires_is_the_root_cause() -> None:
+    # The seed's story: one rank's OOM made the others wait until NCCL's watchdog fired.
+    oom = failed(1, 12.0, "torch.OutOfMemoryError", "CUDA out of memory. Tried to allocate 3.00 GiB")
+    watchdog = failed(0, 40.0, signal="SIGABRT", log_tail="Watchdog caught collective operation timeout")
+    root = root_cause([watchdog, oom])
+    assert (root.rank, root.kind) == (1, "oom")
