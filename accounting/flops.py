@@ -64,6 +64,7 @@ class ModelShape:
     moe_latent_size: int | None = None
     mtp_num_layers: int | None = None
     window_size: int | tuple[int, int] | None = None
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
     attention_output_gate: bool = False
     causal: bool = True
 
@@ -101,7 +102,22 @@ class ModelShape:
         resolve("mtp_num_layers", 0 if self.mtp_num_layers is None else self.mtp_num_layers)
         _non_negative("mtp_num_layers", self.mtp_num_layers)
         resolve("window_size", normalize_window(self.window_size))
+        self._check_window_layers()
         self._check_moe()
+
+    def _check_window_layers(self) -> None:
+        skip = self.window_attn_skip_freq
+        if skip is None:
+            return
+        if isinstance(skip, (list, tuple)):
+            skip = tuple(skip)
+            object.__setattr__(self, "window_attn_skip_freq", skip)
+            if len(skip) != self.num_layers or any(v not in (0, 1) or isinstance(v, float) for v in skip):
+                raise ValueError(
+                    f"window_attn_skip_freq = {list(skip)!r} must list one 0 or 1 per layer ({self.num_layers} layers)"
+                )
+        else:
+            _positive("window_attn_skip_freq", skip)
 
     def _check_moe(self) -> None:
         if self.moe_ffn_hidden_size is None:
@@ -140,6 +156,22 @@ class ModelShape:
             return self.moe_layer_freq
         return tuple(1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers))
 
+    @property
+    def window_layer_pattern(self) -> tuple[int, ...]:
+        """1 for each sliding-window layer, 0 for each full-attention layer.
+
+        megatron-core's `is_layer_window_attention`: with an int N, 1-based layer l is windowed
+        unless l % N == 0; a list gives 1 (window) or 0 (full) per layer.
+        """
+        if self.window_size is None:
+            return (0,) * self.num_layers
+        skip = self.window_attn_skip_freq
+        if skip is None:
+            return (1,) * self.num_layers
+        if isinstance(skip, tuple):
+            return skip
+        return tuple(1 if layer % skip != 0 else 0 for layer in range(1, self.num_layers + 1))
+
     @classmethod
     def from_megatron(cls, config: Any, vocab_size: int, *, causal: bool = True) -> ModelShape:
         """Builds a shape from a megatron-core `TransformerConfig` (duck-typed: nothing imported).
@@ -156,6 +188,7 @@ class ModelShape:
             )
         freq = getattr(config, "moe_layer_freq", 1)
         window = getattr(config, "window_size", None)
+        skip = getattr(config, "window_attn_skip_freq", None)
         return cls(
             num_layers=config.num_layers,
             hidden_size=config.hidden_size,
@@ -173,6 +206,7 @@ class ModelShape:
             moe_latent_size=getattr(config, "moe_latent_size", None),
             mtp_num_layers=getattr(config, "mtp_num_layers", None),
             window_size=tuple(window) if isinstance(window, (list, tuple)) else window,
+            window_attn_skip_freq=tuple(skip) if isinstance(skip, (list, tuple)) else skip,
             attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
             causal=causal,
         )
@@ -227,13 +261,19 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
 
 
 def _core_attention_forward(shape: ModelShape, squared: int, left: int, right: int) -> int:
-    """Forward FLOPs of QK^T and AV over all layers: 4 * q per attended (query, key) pair."""
+    """Forward FLOPs of QK^T and AV over all layers: 4 * q per attended (query, key) pair.
+
+    Sliding-window layers drop the `left`/`right` pairs outside the window; full-attention layers
+    (per `window_attn_skip_freq`) do not. MTP layers follow the last decoder layer's kind.
+    """
     q = shape.kv_channels * shape.num_attention_heads
-    layers = shape.num_layers + shape.mtp_num_layers
+    pattern = shape.window_layer_pattern
+    windowed = sum(pattern) + (shape.mtp_num_layers if pattern[-1] else 0)
+    full = shape.num_layers + shape.mtp_num_layers - windowed
     if shape.causal:
         # s^2/2 pairs per document, minus those left of the window: 4q * (Σs²/2 - L) = 2q * (Σs² - 2L).
-        return layers * 2 * q * (squared - 2 * left)
-    return layers * 4 * q * (squared - left - right)
+        return 2 * q * (full * squared + windowed * (squared - 2 * left))
+    return 4 * q * (full * squared + windowed * (squared - left - right))
 
 
 def _terms(shape: ModelShape, tokens: int, squared: int, left: int, right: int) -> dict[str, int]:

@@ -9,7 +9,7 @@ then builds tensors from it.
   `Pack.cu_seqlens(form=..., dtype=...)` renders the same pack in any form, so invariance
   properties compare renderings of one drawn pack.
 - `model_shapes()` draws valid `ModelShape`s (MHA/GQA, gated or not, MoE with shared experts and
-  int or list `moe_layer_freq`, MTP, windows, causal or not); `dense_megatron_shapes()` only those
+  int or list `moe_layer_freq`, MTP, windows with int or list `window_attn_skip_freq`, causal or not); `dense_megatron_shapes()` only those
   Megatron-LM's formula covers without a window.
 - `memory_reports(keys)` draws one report with the given keys (ints, floats, bools),
   `memory_report_keys()` a key set, `rank_memory_reports(n)` n reports sharing one key set.
@@ -192,6 +192,15 @@ def model_shapes(
         gated_linear_unit=draw(st.booleans()),
         mtp_num_layers=draw(st.integers(1, 2)) if use_mtp else None,
         window_size=draw(windows(bounded=True)) if use_window else None,
+        window_attn_skip_freq=draw(
+            st.one_of(
+                st.none(),
+                st.integers(1, 3),
+                st.lists(st.sampled_from([0, 1]), min_size=layers, max_size=layers),
+            )
+        )
+        if use_window
+        else None,
         attention_output_gate=draw(st.booleans()),
         causal=draw(st.booleans()),
         **kwargs,

@@ -206,16 +206,44 @@ def test_causal_core_attention_is_exactly_half_the_non_causal_one(shape, pack):
     assert 2 * causal == full
 
 
+def _is_window_layer(shape: ModelShape, layer_number: int) -> bool:
+    """megatron-core's `is_layer_window_attention` rule, re-typed (layer_number is 1-based)."""
+    skip = shape.window_attn_skip_freq
+    if shape.window_size is None:
+        return False
+    if skip is None:
+        return True
+    if isinstance(skip, int):
+        return layer_number % skip != 0
+    return bool(skip[layer_number - 1])
+
+
 @given(model_shapes(window=True), packs(max_len=20))
-def test_windowed_core_attention_equals_a_brute_force_per_document_pair_count(shape, pack):
+def test_windowed_core_attention_equals_a_brute_force_per_layer_per_document_pair_count(shape, pack):
     stats = seqlen_stats(pack.cu_seqlens(), window_size=shape.window_size)
-    pairs = sum(_attended_pairs(s, shape.window_size, shape.causal) for s in pack.lengths)
-    # Megatron's causal convention: s²/2 per document, i.e. the exact count minus half the diagonal.
-    doubled = 2 * pairs - sum(pack.lengths) if shape.causal else 2 * pairs
     q = shape.kv_channels * shape.num_attention_heads
-    layers = shape.num_layers + shape.mtp_num_layers
-    # 3 (fwd + bwd) * 2 (FLOPs per FMA) * 2 (QK^T and AV) * q per pair, summed over layers.
-    assert 2 * training_flops(shape, stats).terms["core_attention"] == 3 * 2 * 2 * q * layers * doubled
+    last_is_window = _is_window_layer(shape, shape.num_layers)
+    expected_doubled = 0
+    for layer in range(1, shape.num_layers + shape.mtp_num_layers + 1):
+        windowed = _is_window_layer(shape, layer) if layer <= shape.num_layers else last_is_window
+        window = shape.window_size if windowed else None
+        pairs = sum(_attended_pairs(s, window, shape.causal) for s in pack.lengths)
+        # Megatron's causal convention: s²/2 per document, i.e. the exact count minus half the diagonal.
+        expected_doubled += 2 * pairs - sum(pack.lengths) if shape.causal else 2 * pairs
+    # 3 (fwd + bwd) * 2 (FLOPs per FMA) * 2 (QK^T and AV) * q per pair.
+    assert 2 * training_flops(shape, stats).terms["core_attention"] == 3 * 2 * 2 * q * expected_doubled
+
+
+@given(model_shapes(window=True))
+def test_window_layer_pattern_agrees_with_megatron_core(shape):
+    utils = pytest.importorskip("megatron.core.transformer.utils")
+    skip = shape.window_attn_skip_freq
+    skip = list(skip) if isinstance(skip, tuple) else skip
+    expected = tuple(
+        int(utils.is_layer_window_attention(shape.window_size, skip, layer))
+        for layer in range(1, shape.num_layers + 1)
+    )
+    assert shape.window_layer_pattern == expected
 
 
 @given(model_shapes(window=False), packs(max_len=40))
@@ -242,7 +270,13 @@ def test_flops_are_monotone_in_every_size(shape, pack, what):
     if what == "num_layers":
         freq = shape.moe_layer_freq
         freq = (*freq, 1) if isinstance(freq, tuple) else freq
-        bigger = dataclasses.replace(shape, num_layers=shape.num_layers + 1, moe_layer_freq=freq)
+        # MTP layers copy the last layer's kind; a new last layer may turn them from MoE to dense.
+        assume(shape.mtp_num_layers == 0 or shape.num_moe_experts is None)
+        skip = shape.window_attn_skip_freq
+        skip = (*skip, 1) if isinstance(skip, tuple) else skip
+        bigger = dataclasses.replace(
+            shape, num_layers=shape.num_layers + 1, moe_layer_freq=freq, window_attn_skip_freq=skip
+        )
     elif what in _GROWABLE:
         bigger = dataclasses.replace(shape, **{what: getattr(shape, what) + 1})
     elif what == "heads":
@@ -406,6 +440,8 @@ _BASE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "vocab_si
         ),
         ({"mtp_num_layers": -1}, "mtp_num_layers"),
         ({"window_size": (-3, 0)}, "window_size"),
+        ({"window_attn_skip_freq": 0}, "window_attn_skip_freq"),
+        ({"window_attn_skip_freq": [1, 0, 1]}, "window_attn_skip_freq"),
         ({"causal": "yes"}, "causal"),
     ],
 )
@@ -432,6 +468,7 @@ def test_from_megatron_reads_a_real_transformer_config():
         moe_layer_freq=[0, 1, 1, 1],
         mtp_num_layers=1,
         window_size=(16, 0),
+        window_attn_skip_freq=[1, 1, 0, 1],
         add_bias_linear=False,
     )
     shape = ModelShape.from_megatron(config, vocab_size=128)
@@ -441,6 +478,7 @@ def test_from_megatron_reads_a_real_transformer_config():
     assert (shape.num_moe_experts, shape.moe_router_topk, shape.moe_ffn_hidden_size) == (4, 2, 48)
     assert shape.moe_shared_expert_intermediate_size == 32 and shape.moe_layer_freq == (0, 1, 1, 1)
     assert shape.mtp_num_layers == 1 and shape.window_size == (16, 0) and shape.causal
+    assert shape.window_attn_skip_freq == (1, 1, 0, 1)
 
     dense = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
     dense_shape = ModelShape.from_megatron(dense, vocab_size=64)
