@@ -29,6 +29,7 @@ from ci.verdicts import (
     failed_tests,
     format_comparison,
     format_verdicts,
+    junit_first_lines,
     load_report,
     tests_by_id,
     verdict,
@@ -145,6 +146,7 @@ def run(argv: list[str]) -> int:
 
     ci_failed: list[dict[str, Any]] = []
     source = None
+    ci_junit: dict[tuple[str, str], str] = {}
     tier, gpus = args.tier, args.gpus
     if args.from_report:
         try:
@@ -152,6 +154,8 @@ def run(argv: list[str]) -> int:
         except ReportError as exc:
             raise UsageError(str(exc)) from None
         ci_failed = failed_tests(ci_report)
+        # The artifact holds junit.xml beside the report: first lines of in-process failures.
+        ci_junit = junit_first_lines(Path(args.from_report).with_name("junit.xml"))
         session = ci_report.get("session", {})
         if tier is None and session.get("markexpr") in TIERS:
             tier = session["markexpr"]
@@ -208,11 +212,12 @@ def run(argv: list[str]) -> int:
         _say(f"pytest exited with {returncode} and left no usable report ({exc})")
         local = None
     if local is not None:
-        here = {nodeid: verdict(test) for nodeid, test in tests_by_id(local).items()}
+        junit = junit_first_lines(reports / "junit.xml")
+        here = {nodeid: verdict(test, junit) for nodeid, test in tests_by_id(local).items()}
         if ci_failed:
-            print(format_comparison([verdict(test) for test in ci_failed], here), flush=True)
+            print(format_comparison([verdict(test, ci_junit) for test in ci_failed], here), flush=True)
         else:
-            failed = [verdict(test) for test in failed_tests(local)]
+            failed = [verdict(test, junit) for test in failed_tests(local)]
             counts = _counts(local)
             print(format_verdicts(failed) if failed else f"no failures ({counts})", flush=True)
     if limit.limit_bytes is not None:

@@ -10,6 +10,7 @@ lenient about the rest (missing optional fields print as "-").
 from __future__ import annotations
 
 import json
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,8 +104,39 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def verdict(test: dict[str, Any]) -> Verdict:
-    """The verdict of one report entry; the failing rank's peaks when the failure names a rank."""
+def junit_key(nodeid: str) -> tuple[str, str]:
+    """The (classname, name) pytest's JUnit XML gives the test `nodeid`."""
+    path, *parts = nodeid.split("::")
+    module = path[:-3] if path.endswith(".py") else path
+    return ".".join([module.replace("/", "."), *parts[:-1]]), parts[-1] if parts else ""
+
+
+def junit_first_lines(path: Path | str) -> dict[tuple[str, str], str]:
+    """(classname, name) -> the first line of each failure or error message in a JUnit XML file.
+
+    Failures in the pytest process (no rank involved) have no `failure` entry in the kit report;
+    JUnit has their assertion message. A missing or unreadable file gives an empty mapping.
+    """
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return {}
+    out = {}
+    for case in root.iter("testcase"):
+        for tag in ("failure", "error"):
+            node = case.find(tag)
+            if node is not None:
+                text = node.get("message") or node.text or ""
+                line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+                out.setdefault((case.get("classname", ""), case.get("name", "")), line)
+    return out
+
+
+def verdict(test: dict[str, Any], junit: dict[tuple[str, str], str] | None = None) -> Verdict:
+    """The verdict of one report entry; the failing rank's peaks when the failure names a rank.
+
+    Without a rank failure, the first line comes from `junit` (see `junit_first_lines`).
+    """
     failure = test.get("failure") if isinstance(test.get("failure"), dict) else None
     rank = _int(failure.get("rank")) if failure else None
     peak_host, peak_device = _int(test.get("peak_host_bytes")), _int(test.get("peak_device_bytes"))
@@ -119,6 +151,8 @@ def verdict(test: dict[str, Any]) -> Verdict:
             first_line = next(
                 (ln.strip() for ln in str(failure.get("message") or "").splitlines() if ln.strip()), ""
             )
+    if not first_line and junit and test["outcome"] in FAILED:
+        first_line = junit.get(junit_key(test["nodeid"]), "")
     kind = str(failure["kind"]) if failure and failure.get("kind") else None
     # The launcher's first line repeats the cause ("rank 1 oom: ..."), which the verdict states already.
     prefix = f"rank {rank} {kind}: "
@@ -150,7 +184,10 @@ def format_verdicts(verdicts: list[Verdict], width: int = 160) -> str:
         lines.append(f"FAILED {v.nodeid}: {v.cause}")
         if v.first_line:
             lines.append(f"    {_clip(v.first_line, width)}")
-        lines.append(f"    peak/budget: {v.memory()}; world size {v.world_size or '-'}, seed {v.seed}")
+        if v.world_size is None and v.peak_host is None and v.peak_device is None:
+            lines.append("    in the pytest process (the test launched no ranks)")
+        else:
+            lines.append(f"    peak/budget: {v.memory()}; world size {v.world_size or '-'}, seed {v.seed}")
     return "\n".join(lines)
 
 

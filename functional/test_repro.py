@@ -108,6 +108,7 @@ def test_a_planted_oom_on_one_rank_is_reported_as_such(ci_run: tuple[Any, dict[s
     assert "/ 400.00 MiB; world size 2" in lines[oom + 2]
     assertion = lines.index("FAILED test_planted.py::test_planted_assertion: error")
     assert oom < assertion
+    assert lines[assertion + 1].strip().startswith("AssertionError: planted assertion")  # from junit.xml
     assert "test_passes" not in verdicts and "test_only_in_l1" not in verdicts
     method = next(line for line in lines if line.startswith("ci repro: runner memory ("))
     assert any(name in method for name in ("cgroup2", "cgroup1", "systemd-run", "env"))
@@ -125,6 +126,7 @@ def test_a_rerun_from_the_report_reruns_only_the_failed_tests(
     _, ci_report = ci_run
     artifact = tmp_path / "kit-report.json"  # as downloaded from the CI job
     shutil.copy(project / "ci-reports" / "kit-report.json", artifact)
+    shutil.copy(project / "ci-reports" / "junit.xml", tmp_path / "junit.xml")
     result = repro(
         "--from-report", str(artifact), "--root", str(project), "--reports", str(tmp_path / "local")
     )
@@ -144,3 +146,6 @@ def test_a_rerun_from_the_report_reruns_only_the_failed_tests(
     assert lines[at + 1].split()[:4] == ["CI:", "failed", "rank", "1"]
     assert lines[at + 2].split()[:5] == ["local:", "failed", "rank", "1", "oom"]
     assert lines[at + 4].strip() == f"same seed ({ci_seed}) and world size (2)"
+    at = lines.index("test_planted.py::test_planted_assertion")
+    assert lines[at + 1].split()[:4] == ["CI:", "failed", "error", "AssertionError:"]
+    assert lines[at + 2].split()[:4] == ["local:", "failed", "error", "AssertionError:"]

@@ -17,7 +17,16 @@ import pytest
 from ci import repro
 from ci.jobs import JOBS, ROOT, pytest_args
 from ci.limits import apply_memory_limit
-from ci.verdicts import ReportError, failed_tests, format_comparison, format_verdicts, load_report, verdict
+from ci.verdicts import (
+    ReportError,
+    failed_tests,
+    format_comparison,
+    format_verdicts,
+    junit_first_lines,
+    junit_key,
+    load_report,
+    verdict,
+)
 
 pytestmark = pytest.mark.L0
 
@@ -227,14 +236,42 @@ def test_the_verdict_uses_the_failing_ranks_peak_not_the_tests_max() -> None:
 
 
 def test_a_failure_in_the_pytest_process_is_an_error_without_a_rank() -> None:
-    v = verdict(entry("unit/test_a.py::test_assert", "failed", world_size=None))
+    v = verdict(
+        entry("unit/test_a.py::test_assert", "failed", world_size=None, peak_host_bytes=None, seed=None)
+    )
     assert (v.rank, v.cause, v.first_line) == (None, "error", "")
+    assert format_verdicts([v]).splitlines() == [
+        "FAILED unit/test_a.py::test_assert: error",
+        "    in the pytest process (the test launched no ranks)",
+    ]
 
 
 def test_a_crash_without_first_line_falls_back_to_the_message() -> None:
     failure = {"rank": 3, "kind": "crash", "first_line": "", "message": "\nrank 3 died of SIGKILL\nmore"}
     v = verdict(entry("t.py::test_k", "failed", failure=failure))
     assert (v.cause, v.first_line) == ("rank 3 crash", "rank 3 died of SIGKILL")
+
+
+def test_in_process_failures_take_their_first_line_from_junit(tmp_path: Path) -> None:
+    assert junit_key("unit/test_a.py::TestX::test_y[1-a]") == ("unit.test_a.TestX", "test_y[1-a]")
+    (tmp_path / "junit.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="unit.test_a" name="test_assert"><failure message="assert 1 == 2&#10;+  where 1 = f()">'
+        "long text</failure></testcase>"
+        '<testcase classname="unit.test_a.TestX" name="test_y[1-a]"><error message="">'
+        "\nfixture 'db' not found\nmore</error></testcase>"
+        '<testcase classname="unit.test_a" name="test_ok"/>'
+        "</testsuite></testsuites>"
+    )
+    junit = junit_first_lines(tmp_path / "junit.xml")
+    assert junit == {
+        ("unit.test_a", "test_assert"): "assert 1 == 2",
+        ("unit.test_a.TestX", "test_y[1-a]"): "fixture 'db' not found",
+    }
+    v = verdict(entry("unit/test_a.py::test_assert", "failed", world_size=None), junit)
+    assert v.first_line == "assert 1 == 2"
+    assert verdict(oom_entry(), junit).first_line.startswith("fixtures.MemoryBudgetExceeded")
+    assert junit_first_lines(tmp_path / "absent.xml") == {}
 
 
 def test_failed_tests_keeps_report_order_and_each_id_once(tmp_path: Path) -> None:
