@@ -86,3 +86,16 @@ def test_bad_arguments_exit_2_with_one_line_on_stderr(args, needle):
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_importing_accounting_pulls_in_neither_pytest_nor_fixtures_nor_megatron():
+    code = (
+        "import sys, accounting, accounting.cli, accounting.presets\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('pytest', 'fixtures', 'megatron', 'hypothesis'))\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
