@@ -99,6 +99,11 @@ SCENARIOS = textwrap.dedent(
         run_ranks(hang, 2, timeout=20)
 
 
+    @pytest.mark.timeout(12, method="signal")
+    def test_interrupted_by_pytest_timeout():
+        run_ranks(hang, 2, timeout=120)
+
+
     def test_desync():
         # The process group times out (after 10 s) before the launch does (20 s).
         run_ranks(desync, 2, timeout=20)
@@ -229,6 +234,14 @@ def test_collective_timeout_blames_the_rank_that_never_joined(scenarios: dict[st
     assert " in desync" in failure["message"]
 
 
+def test_an_outer_pytest_timeout_still_shows_the_rank_stacks(scenarios: dict[str, Any]) -> None:
+    failure = _failure(scenarios, "test_interrupted_by_pytest_timeout")
+    assert failure["kind"] is None  # pytest-timeout's verdict, not the launcher's
+    assert "Timeout (>12.0s) from pytest-timeout" in failure["message"]
+    assert "run_ranks was interrupted" in failure["message"]
+    assert failure["message"].count(" in hang") >= 2
+
+
 def test_exception_is_an_error_with_its_traceback(scenarios: dict[str, Any]) -> None:
     failure = _failure(scenarios, "test_error")
     assert (failure["rank"], failure["kind"]) == (0, "error")
@@ -270,12 +283,13 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
         "test_hang",
         "test_error",
         "test_desync",
+        "test_interrupted_by_pytest_timeout",
         "test_budget_overrun",
         "test_good_pair",
         "test_helpers_are_killed",
         "test_without_ranks",
     }
-    assert report["session"]["outcome_counts"] == {"passed": 3, "failed": 6, "skipped": 0, "error": 0}
+    assert report["session"]["outcome_counts"] == {"passed": 3, "failed": 7, "skipped": 0, "error": 0}
     assert "-n" in report["session"]["pytest_args"]
     assert rows["test_without_ranks"]["world_size"] == 0
     assert rows["test_without_ranks"]["ranks"] == []

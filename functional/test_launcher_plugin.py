@@ -219,3 +219,13 @@ def test_two_xdist_workers_run_rank_tests_at_once_without_colliding(pytester: py
     assert a["worker"] != b["worker"]
     # The two 2-rank launches overlapped in time, so four ranks rendezvoused at once.
     assert a["span"][0] < b["span"][1] and b["span"][0] < a["span"][1]
+
+
+def test_plugin_import_stays_light() -> None:
+    # `pytest --help` and in-process pytester runs must not pay for torch.
+    import subprocess
+    import sys
+
+    code = "import sys, fixtures.plugin; print(sorted(m for m in ('torch', 'megatron', 'datasets') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
