@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -131,29 +132,48 @@ def _say(text: str) -> None:
     print(f"ci repro: {text}", flush=True)
 
 
-def run(argv: list[str]) -> int:
-    """Parse, run pytest under the job's limits, print the verdicts; the exit code of the run."""
-    args = build_parser().parse_args(argv)
+@dataclass
+class Plan:
+    """What a repro runs: the CI row, the pytest command and variables, and what CI saw (if known)."""
+
+    job: Job
+    gpus: int
+    host: str | None
+    device: str | None
+    host_bytes: int | None
+    reports: Path
+    root: Path
+    command: list[str]
+    variables: dict[str, str]
+    ci_failed: list[dict[str, Any]] = field(default_factory=list)
+    ci_junit: dict[tuple[str, str], str] = field(default_factory=dict)
+    source: str | None = None
+
+
+def plan(args: argparse.Namespace) -> Plan | None:
+    """The run the arguments ask for; None when a report has no failures (nothing to rerun)."""
     if args.tier is not None and args.tier not in TIERS:
         raise UsageError(f"unknown tier {args.tier!r}: expected one of {', '.join(TIERS)}")
     if args.gpus is not None and args.gpus < 0:
         raise UsageError(f"--gpus must be 0 or more, got {args.gpus}")
-    host_bytes = _size(args.host_memory, "--host-memory")
+    _size(args.host_memory, "--host-memory")
     _size(args.device_memory, "--device-memory")
     root = Path(args.root).resolve()
     if not root.is_dir():
         raise UsageError(f"--root {args.root} is not a directory")
 
-    ci_failed: list[dict[str, Any]] = []
-    source = None
-    ci_junit: dict[tuple[str, str], str] = {}
     tier, gpus = args.tier, args.gpus
+    ci_failed: list[dict[str, Any]] = []
+    ci_junit: dict[tuple[str, str], str] = {}
+    source = None
     if args.from_report:
         try:
             ci_report = load_report(args.from_report)
         except ReportError as exc:
             raise UsageError(str(exc)) from None
         ci_failed = failed_tests(ci_report)
+        if not ci_failed:
+            return None
         # The artifact holds junit.xml beside the report: first lines of in-process failures.
         ci_junit = junit_first_lines(Path(args.from_report).with_name("junit.xml"))
         session = ci_report.get("session", {})
@@ -161,80 +181,99 @@ def run(argv: list[str]) -> int:
             tier = session["markexpr"]
         if gpus is None:
             gpus = _gpus_of(session)
-        if not ci_failed:
-            _say(f"no failed tests in {args.from_report}: nothing to rerun")
-            return 0
         source = f"{len(ci_failed)} failed test(s) from {args.from_report}"
+
     job = job_for(tier or "L0", gpus or 0)
-    gpus = gpus if gpus is not None else job.gpus
+    gpus = job.gpus if gpus is None else gpus
     reports = Path(args.reports).resolve() if args.reports else root / "reports" / "repro"
     host = args.host_memory or job.host_memory
     device = args.device_memory or job.device_memory
-    host_bytes = host_bytes if host_bytes is not None else _size(host, "host memory")
-
     command = [sys.executable, "-m", "pytest", *pytest_args(job, reports)]
     if args.keyword:
         command += ["-k", args.keyword]
     command += [test["nodeid"] for test in ci_failed]
     command += args.pytest_args
-    variables = job_variables(job, reports, gpus, host, device)
-    env = environment(variables)
-
-    _say(
-        f"job {job.name} (tier {job.tier}, runs-on {', '.join(job.runs_on)}){': ' + source if source else ''}"
+    return Plan(
+        job=job,
+        gpus=gpus,
+        host=host,
+        device=device,
+        host_bytes=_size(host, "host memory"),
+        reports=reports,
+        root=root,
+        command=command,
+        variables=job_variables(job, reports, gpus, host, device),
+        ci_failed=ci_failed,
+        ci_junit=ci_junit,
+        source=source,
     )
-    _say(f"per-GPU memory {device or '-'}; GPUs {gpus} (visible here: {_visible_gpus()})")
-    if args.dry_run:
-        _say("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items())))
-        _say(shlex.join(command))
-        return 0
 
+
+def execute(p: Plan, limit_method: str) -> int:
+    """Run the plan under the runner's memory limit, then print the verdicts; pytest's exit code."""
     try:
-        limit = apply_memory_limit(host_bytes, args.limit_method)
+        limit = apply_memory_limit(p.host_bytes, limit_method)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise UsageError(f"--limit-method {args.limit_method}: {exc}") from None
-    _say(f"runner memory: {limit.describe()}")
-    _say(shlex.join(command))
-    _clean(reports)
+        raise UsageError(f"--limit-method {limit_method}: {exc}") from None
+    _say(f"runner memory limit: {limit.describe()}")
+    _say(shlex.join(p.command))
+    _clean(p.reports)
     try:
-        completed = subprocess.run(limit.wrap(command), cwd=root, env=env, check=False)
-        returncode = completed.returncode
+        returncode = subprocess.run(
+            limit.wrap(p.command), cwd=p.root, env=environment(p.variables)
+        ).returncode
     finally:
         peak, kills = limit.peak_bytes(), limit.oom_kills()
         limit.close()
 
     print(flush=True)
     _say("=" * 30 + " verdicts " + "=" * 30)
-    report_path = reports / "kit-report.json"
+    report_path = p.reports / "kit-report.json"
     try:
         local = load_report(report_path)
     except ReportError as exc:
         _say(f"pytest exited with {returncode} and left no usable report ({exc})")
         local = None
     if local is not None:
-        junit = junit_first_lines(reports / "junit.xml")
+        junit = junit_first_lines(p.reports / "junit.xml")
         here = {nodeid: verdict(test, junit) for nodeid, test in tests_by_id(local).items()}
-        if ci_failed:
-            print(format_comparison([verdict(test, ci_junit) for test in ci_failed], here), flush=True)
+        if p.ci_failed:
+            print(format_comparison([verdict(test, p.ci_junit) for test in p.ci_failed], here), flush=True)
         else:
             failed = [verdict(test, junit) for test in failed_tests(local)]
-            counts = _counts(local)
-            print(format_verdicts(failed) if failed else f"no failures ({counts})", flush=True)
+            print(format_verdicts(failed) if failed else f"no failures ({_counts(local)})", flush=True)
     if limit.limit_bytes is not None:
-        usage = (
-            f"peak {format_size(peak)} of {format_size(limit.limit_bytes)}"
-            if peak is not None
-            else "peak not measured"
-        )
+        usage = f"peak {format_size(peak)}" if peak is not None else "peak not measured"
         killed = f", kernel OOM kills {kills}" if kills is not None else ""
-        _say(f"runner memory ({limit.method}): {usage}{killed}")
-    _say(f"report {reports / 'kit-report.md'}, rank logs {reports / 'logs'}")
+        _say(f"runner memory ({limit.method}): {usage} of {format_size(limit.limit_bytes)}{killed}")
+    _say(f"report {p.reports / 'kit-report.md'}, rank logs {p.reports / 'logs'}")
     if local is not None and failed_tests(local):
         _say(f"again: {PROG} --from-report {report_path}")
     if returncode == 5:
         _say("pytest collected no tests: that is a failure here, as in CI")
         return 1
     return returncode if returncode >= 0 else 128 - returncode
+
+
+def run(argv: list[str]) -> int:
+    """Parse, plan, say what will run, run it (unless --dry-run); the exit code of the run."""
+    args = build_parser().parse_args(argv)
+    p = plan(args)
+    if p is None:
+        _say(f"no failed tests in {args.from_report}: nothing to rerun")
+        return 0
+    job = p.job
+    _say(
+        f"job {job.name} (tier {job.tier}, runs-on {', '.join(job.runs_on)}){': ' + p.source if p.source else ''}"
+    )
+    _say(
+        f"runner memory {p.host or '-'}; per-GPU memory {p.device or '-'}; GPUs {p.gpus} (visible here: {_visible_gpus()})"
+    )
+    if args.dry_run:
+        _say("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.variables.items())))
+        _say(shlex.join(p.command))
+        return 0
+    return execute(p, args.limit_method)
 
 
 def _counts(report: dict[str, Any]) -> str:
