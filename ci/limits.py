@@ -23,6 +23,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fixtures.budgets import format_size
+
 METHODS = ("cgroup2", "cgroup1", "systemd-run", "env")
 
 
@@ -67,8 +69,6 @@ class MemoryLimit:
 
     def describe(self) -> str:
         """One line: the method, the size and where, with the methods that were not available."""
-        from fixtures.budgets import format_size
-
         if self.limit_bytes is None:
             return "no runner memory limit (this job defines none)"
         text = f"{format_size(self.limit_bytes)} for the whole run via {self.method} ({self.detail})"
