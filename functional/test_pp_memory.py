@@ -382,7 +382,7 @@ def _print_figures(scenario: PPScenario, figures: dict) -> None:
 
 @pytest.mark.L0
 @pytest.mark.world_size(2)
-@pytest.mark.memory_budget(host="1.5GiB")
+@pytest.mark.memory_budget(host="1GiB")  # measured peak ~570-610 MB per rank
 def test_pp2_memory_max_logged_by_the_last_rank(tmp_path: Path) -> None:
     figures = _check_scenario(PP2, tmp_path)
     _print_figures(PP2, figures)
@@ -390,7 +390,7 @@ def test_pp2_memory_max_logged_by_the_last_rank(tmp_path: Path) -> None:
 
 @pytest.mark.L1
 @pytest.mark.world_size(4)
-@pytest.mark.memory_budget(host="1.5GiB")
+@pytest.mark.memory_budget(host="1GiB")  # measured peak ~570-610 MB per rank
 def test_dp2_x_pp2_memory_max_is_per_pipeline_group(tmp_path: Path) -> None:
     figures = _check_scenario(DP2_PP2, tmp_path)
     _print_figures(DP2_PP2, figures)

@@ -12,8 +12,9 @@ no distributed optimizer, no overlap, synchronous checkpoint) and asserts what t
 - the gradient statistics are non-zero;
 - each rank's peak RSS stays inside the stated budget (the plugin's watchdog also enforces it).
 
-The off-step cost is measured, not asserted: each rank also trains the same number of steps
-without the inspector and reports the median step times; the test prints them.
+The off-step cost is measured, not asserted: each rank then trains 20 more steps alternating
+plain steps and the inspector's non-inspection steps, and the test prints both medians against
+the stated bound (`OFF_STEP_TARGET`). `ci/bench_inspect.py` gives steadier figures.
 """
 
 from __future__ import annotations
@@ -35,8 +36,13 @@ STEPS = 10
 EVERY = 5
 NUM_LAYERS = 2
 SEQ = 128
-HOST_BUDGET = "1.5GiB"
-HOST_BUDGET_BYTES = int(1.5 * 1024**3)
+# Measured peak ~400-480 MiB per rank on the 2-core CPU runner; upstream's failure was memory.
+HOST_BUDGET = "768MiB"
+HOST_BUDGET_BYTES = 768 * 1024**2
+NEVER_INSPECTED = 1  # a step number that is not a multiple of EVERY
+# The stated bound for the cost of a non-inspection step over a plain one (reported, not asserted:
+# wall time on a shared machine is a figure, not a pass/fail criterion).
+OFF_STEP_TARGET = 0.05
 # nvdlfw-inspect's layer names: root `model`, the trainer's model list walked chunk by chunk, the
 # DDP wrapper's `module`, decoder layers by their 1-based megatron `layer_number`.
 EXPECTED_LAYERS = sorted(
@@ -145,14 +151,23 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
                     references.append(
                         {"step": step, "layer": layer, "tensor": tensor, **reference_stats(array)}
                     )
+        # The overhead figure: plain steps and the inspector's non-inspection steps interleaved
+        # (same data, same machine load), so the comparison is not skewed by load drift.
+        without: dict[int, float] = {}
+        off_step: dict[int, float] = {}
+        for step in range(STEPS + 1, 3 * STEPS + 1):
+            batch = [_batch(step, dp_rank, model_config.vocab_size)]
+            start = time.perf_counter()
+            if step % 2:
+                trainer.train_step(batch)
+                without[step] = time.perf_counter() - start
+            else:
+                with inspector.step(NEVER_INSPECTED):
+                    trainer.train_step(batch)
+                off_step[step] = time.perf_counter() - start
         inspector.close()
         if writer is not None:
             writer.close()
-        without: dict[int, float] = {}
-        for step in range(STEPS + 1, 2 * STEPS + 1):
-            start = time.perf_counter()
-            trainer.train_step([_batch(step, dp_rank, model_config.vocab_size)])
-            without[step] = time.perf_counter() - start
         checkpoint = trainer.save(out_dir / "ckpt")
         trainer.close()
         peak = memory_report()["peak_rss_bytes"]
@@ -162,6 +177,7 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
         "references": references,
         "with_inspector": with_inspector,
         "without": without,
+        "off_step": off_step,
         "checkpoint": str(checkpoint),
         "peak_rss_bytes": peak,
         "hooks_left": inspector.hooks_attached,
@@ -222,16 +238,17 @@ def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(tmp_path: Pat
 
 
 def _report_overhead(results: list[dict]) -> None:
-    """Median step times: off-steps with the inspector vs a run without it (measured, not asserted)."""
+    """Median step times: the inspector's off-steps vs plain steps, interleaved (measured, not asserted)."""
     for res in results:
         on = {int(k): v for k, v in res["with_inspector"].items()}
-        off_steps = [v for s, v in on.items() if s % EVERY != 0 and s > 1]  # step 1 warms up
         inspect_steps = [v for s, v in on.items() if s % EVERY == 0]
-        baseline = list(res["without"].values())
-        ratio = statistics.median(off_steps) / statistics.median(baseline) - 1
+        first_off = [v for s, v in on.items() if s % EVERY != 0 and s > 1]  # step 1 warms up
+        plain = statistics.median(res["without"].values())
+        off = statistics.median(res["off_step"].values())
         print(
-            f"[tensor_inspect] rank {res['rank']}: median off-step {statistics.median(off_steps) * 1e3:.1f} ms"
-            f" vs without inspector {statistics.median(baseline) * 1e3:.1f} ms ({ratio:+.1%});"
+            f"[tensor_inspect] rank {res['rank']}: off-step {off * 1e3:.1f} ms vs plain {plain * 1e3:.1f} ms"
+            f" ({off / plain - 1:+.1%}, stated bound {OFF_STEP_TARGET:.0%}; interleaved medians of 10);"
+            f" off-steps of the first 10 steps {statistics.median(first_off) * 1e3:.1f} ms;"
             f" inspection steps (with the test's own capture) {[round(v * 1e3, 1) for v in inspect_steps]} ms;"
             f" peak RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB (budget {HOST_BUDGET})"
         )
