@@ -58,34 +58,44 @@ def test_cu_seqlens_and_seq_len_alone_are_accepted():
     assert float(f"{a['model_flops']:.2e}") == 9.42e13  # Megatron-Bridge's GBS=1 reference
 
 
-@pytest.mark.parametrize(
-    ("args", "needle"),
-    [
-        (("flops", "--preset", "nope", "--seq-len", "8"), "invalid choice: 'nope'"),
-        (("flops", "--preset", "llama3-8b", "--docs", "4,x"), "comma-separated integers"),
-        (("flops", "--preset", "llama3-8b", "--docs", "4,0"), "lengths must be positive"),
-        (
-            ("flops", "--preset", "llama3-8b", "--cu-seqlens", "0,5,3"),
-            "cu_seqlens[2] = 3 is smaller than cu_seqlens[1] = 5",
-        ),
-        (
-            ("flops", "--preset", "llama3-8b", "--docs", "8,8", "--seq-len", "10"),
-            "more tokens than the pack holds",
-        ),
-        (("flops", "--preset", "llama3-8b"), "give --docs, --cu-seqlens or --seq-len"),
-        (
-            ("flops", "--preset", "llama3-8b", "--docs", "4", "--cu-seqlens", "0,4"),
-            "not allowed with argument",
-        ),
-        (("frobnicate",), "invalid choice"),
-    ],
-)
+BAD_ARGUMENTS = [
+    (("flops", "--preset", "nope", "--seq-len", "8"), "invalid choice: 'nope'"),
+    (("flops", "--preset", "llama3-8b", "--docs", "4,x"), "comma-separated integers"),
+    (("flops", "--preset", "llama3-8b", "--docs", "4,0"), "lengths must be positive"),
+    (
+        ("flops", "--preset", "llama3-8b", "--cu-seqlens", "0,5,3"),
+        "cu_seqlens[2] = 3 is smaller than cu_seqlens[1] = 5",
+    ),
+    (
+        ("flops", "--preset", "llama3-8b", "--docs", "8,8", "--seq-len", "10"),
+        "more tokens than the pack holds",
+    ),
+    (("flops", "--preset", "llama3-8b"), "give --docs, --cu-seqlens or --seq-len"),
+    (("flops", "--preset", "llama3-8b", "--docs", "4", "--cu-seqlens", "0,4"), "not allowed with argument"),
+    (("frobnicate",), "invalid choice"),
+    ((), "required"),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), [BAD_ARGUMENTS[0], BAD_ARGUMENTS[3], BAD_ARGUMENTS[5]])
 def test_bad_arguments_exit_2_with_one_line_on_stderr(args, needle):
     result = run_cli(*args)
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(("args", "needle"), BAD_ARGUMENTS)
+def test_every_bad_argument_returns_2_with_one_line_on_stderr_in_process(args, needle, capsys):
+    # The same entry point `python -m accounting` calls, without a ~3 s interpreter start per case.
+    from accounting.cli import main
+
+    assert main(list(args)) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
 
 
 def test_importing_accounting_pulls_in_neither_pytest_nor_fixtures_nor_megatron():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting import SeqlenStats, seqlen_stats, validate_cu_seqlens
@@ -95,6 +95,7 @@ def test_two_d_stats_equal_the_sum_of_each_row_as_a_one_d_pack(pack):
 
 
 @given(packs(), windows())
+@settings(max_examples=25)  # meta kernels are slow; the property is about shapes, not values
 def test_stats_run_on_meta_tensors_without_reading_values(pack, window):
     stats = seqlen_stats(
         pack.cu_seqlens(device="meta"), pack.cu_seqlens_padded(device="meta"), window_size=window, pack_len=7
