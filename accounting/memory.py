@@ -97,7 +97,7 @@ def reduce_max_memory(
     not treated as `int`. No-op returning `report` itself when it is empty, torch.distributed is
     not initialised, or `group` has size 1 or no callable `size`. With `return_ranks=True` returns
     `(values, ranks)` where `ranks[key]` is the global rank holding the maximum (lowest on ties);
-    that mode all-gathers the values (bytes grow with the group size: 8 * (_CAPACITY + 3) per
+    that mode all-gathers the values (bytes grow with the group size: 8 * (_CAPACITY + 5) per
     rank, ~1 MB for 1000 ranks, acceptable at logging frequency), the default mode all-reduces.
     Reports with different key sets raise ValueError on every rank.
     """
