@@ -1,0 +1,133 @@
+"""fixtures.training on one process: config mapping, loss reduction, save-queue patch, a 1-rank Trainer.
+
+The multi-rank behaviour (CP=2, checkpoints across CP sizes, FLOPs, TensorBoard) is proven in
+functional/test_cp_pretrain_sft.py; here the harness's own pieces are checked in isolation. The
+1-rank Trainer runs on an in-process gloo group that the test creates and destroys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fixtures.data import ByteTokenizer, pack_examples, squad_like_dataset, tokenize_dataset
+from fixtures.megatron import cpu_shim, destroy_model_parallel
+from fixtures.training import (
+    TRACKER_FILE,
+    CheckpointMismatchError,
+    DenseBatch,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    Trainer,
+    _in_process_write_queue,
+    checkpoint_dir,
+)
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU harness checks (the GPU path is functional)"
+)
+
+
+def test_transformer_config_maps_the_shape_and_the_test_settings() -> None:
+    import torch.nn.functional as F
+
+    m = ModelConfig(
+        num_layers=3, hidden_size=96, ffn_hidden_size=160, num_attention_heads=6, num_query_groups=3
+    )
+    c = m.transformer_config(ParallelConfig(cp=2), made_up_field=1)  # unknown keys are dropped
+    assert (c.num_layers, c.hidden_size, c.ffn_hidden_size) == (3, 96, 160)
+    assert (c.num_attention_heads, c.num_query_groups, c.kv_channels) == (6, 3, 16)
+    assert c.gated_linear_unit and c.activation_func is F.silu
+    assert c.context_parallel_size == 2 and c.calculate_per_token_loss
+    assert c.hidden_dropout == c.attention_dropout == 0.0
+    assert not hasattr(c, "made_up_field")
+    gelu = ModelConfig(gated_linear_unit=False, overrides=(("normalization", "LayerNorm"),))
+    c2 = gelu.transformer_config(ParallelConfig())
+    assert c2.activation_func is F.gelu and c2.normalization == "LayerNorm"
+
+
+def test_loss_func_returns_the_masked_sum_and_token_count() -> None:
+    losses = torch.tensor([[1.0, 2.0, 4.0, 8.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    total, tokens, report = Trainer._loss_func(mask, losses)
+    assert total.item() == 5.0 and tokens.item() == 2 and tokens.dtype == torch.int
+    assert report["lm loss"].tolist() == [5.0, 2.0]
+
+
+def test_save_queue_patch_is_scoped_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    monkeypatch.setattr(fa, "_results_queue", None)  # as in a process that has not saved yet
+    with _in_process_write_queue():
+        assert isinstance(fa._results_queue, queue.Queue)
+    assert fa._results_queue is None
+    sentinel = object()  # a queue someone else created (an async save) is left alone
+    monkeypatch.setattr(fa, "_results_queue", sentinel)
+    with _in_process_write_queue():
+        assert fa._results_queue is sentinel
+    assert fa._results_queue is sentinel
+
+
+def test_checkpoint_dir_uses_megatron_lm_names(tmp_path: Path) -> None:
+    assert checkpoint_dir(tmp_path, 42) == tmp_path / "iter_0000042"
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A 1-rank gloo default group for the test only (the session guard forbids leaks)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_one_rank_trainer_trains_saves_and_refuses_bad_loads(one_rank_group: None, tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    tok = ByteTokenizer()
+    examples = tokenize_dataset(squad_like_dataset(6), tok, kind="pretrain", max_len=127)
+    packs = pack_examples(examples, 128, 1, pad_id=tok.pad_id)
+    model = ModelConfig(vocab_size=tok.padded_vocab_size(), max_sequence_length=128)
+    seen: list[int] = []
+    with cpu_shim():
+        trainer = Trainer(
+            model, ParallelConfig(), TrainConfig(lr=1e-2, hooks=(lambda t, r: seen.append(r.iteration),))
+        )
+        with pytest.raises(FileNotFoundError, match=TRACKER_FILE):
+            trainer.load(tmp_path / "nothing_here")
+        first = trainer.forward_loss(packs[:2])
+        result = trainer.train_step(packs[:2])
+        assert math.isclose(result.loss, first, rel_tol=1e-6)  # same weights, same batch
+        assert result.iteration == 1 and seen == [1] and result.step_flops > 0
+        assert result.memory["peak_rss_bytes"] > 0
+        # BSHD micro batches go through the same step (dense batch of 2 rows x 64 tokens).
+        tokens = torch.randint(0, 256, (2, 64))
+        dense = DenseBatch(tokens, torch.roll(tokens, -1, 1), torch.ones(2, 64))
+        assert math.isfinite(trainer.forward_loss([dense]))
+        saved = trainer.save(tmp_path / "ckpt")
+        assert saved == tmp_path / "ckpt" / "iter_0000001"
+        assert (tmp_path / "ckpt" / TRACKER_FILE).read_text() == "1"
+        trainer.close()
+        wide = Trainer(
+            ModelConfig(vocab_size=tok.padded_vocab_size() + 64, max_sequence_length=128),
+            ParallelConfig(),
+            TrainConfig(),
+        )
+        with pytest.raises(
+            CheckpointMismatchError, match=r"'embedding.word_embeddings.weight'.*\(320, 64\).*\(384, 64\)"
+        ):
+            wide.load(tmp_path / "ckpt")
+        again = Trainer(model, ParallelConfig(), TrainConfig(lr=1e-2))
+        assert again.load(tmp_path / "ckpt") == 1
+        assert again.iteration == 1 and again.flops.total_flops == trainer.flops.total_flops
+        assert math.isclose(again.forward_loss(packs[:2]), trainer.forward_loss(packs[:2]), rel_tol=1e-6)
