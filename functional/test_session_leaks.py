@@ -7,11 +7,12 @@ module proves, from the kit plugin's own session report (`--kit-report`), that
 - across several rank tests in one session the pytest process' RSS grows by less than
   `RANK_TEST_GROWTH_BOUND` in total (`pytest_rss_after_bytes - pytest_rss_before_bytes`, summed
   over the rank tests after the first, which pays the one-time imports), and
+- from the first rank test to the end of the session it grows by less than `SPAN_BOUND`, and
 - every rank test ends with `leaked_processes == 0`, and no process of the session survives it.
 
 Two negative controls in the same inner session keep the check honest: a test that leaves a
 child process behind must be reported with `leaked_processes == 1` (and fail in teardown), and a
-test that keeps 96 MiB alive in a module global must show up as growth above the bound.
+test that keeps 96 MiB alive in a module global must show up as growth above the span bound.
 
 `check_report(report)` is the same check for any session report; run it on a whole-L0 report with
 ``python -m functional.test_session_leaks reports/kit-report.json`` (exit status 1 on violation).
@@ -34,6 +35,8 @@ MiB = 2**20
 # Per-session bound on the pytest process' growth over rank tests, excluding the first rank test
 # (which imports torch.distributed pickling paths and tensorboard readers once).
 RANK_TEST_GROWTH_BOUND = 48 * MiB
+# From the first rank test to the end of the session (rank tests and everything between them).
+SPAN_BOUND = 64 * MiB
 HOARD_MIB = 96
 
 INNER = textwrap.dedent(
@@ -68,9 +71,7 @@ INNER = textwrap.dedent(
         subprocess.Popen(["sleep", "300"])
 
 
-    @pytest.mark.world_size(2)
     def test_hoards_memory():
-        run_ranks(exchange, 2, timeout=120, args=(1,))
         KEPT.append(torch.ones({HOARD_MIB} * 2**20 // 4))
     """
 )
@@ -86,9 +87,28 @@ def rank_test_growth(rows: list[dict[str, Any]]) -> list[tuple[str, int]]:
     return out
 
 
-def check_report(report: dict[str, Any], bound: int = RANK_TEST_GROWTH_BOUND) -> list[str]:
+def span_growth(rows: list[dict[str, Any]]) -> int:
+    """pytest RSS from before the first rank test to after the last test (0 without rank tests).
+
+    Covers whatever runs in between (tests without ranks, fixtures, report hooks) as well."""
+    starts = [r for r in rows if r.get("world_size") and r.get("pytest_rss_before_bytes") is not None]
+    ends = [r for r in rows if r.get("pytest_rss_after_bytes") is not None]
+    if not starts or not ends:
+        return 0
+    return ends[-1]["pytest_rss_after_bytes"] - starts[0]["pytest_rss_before_bytes"]
+
+
+def check_report(
+    report: dict[str, Any], bound: int = RANK_TEST_GROWTH_BOUND, span_bound: int = SPAN_BOUND
+) -> list[str]:
     """Violations of the shared-session contract in a kit report (empty when it holds)."""
     problems = []
+    span = span_growth(report["tests"])
+    if span > span_bound:
+        problems.append(
+            f"pytest RSS grew {span / MiB:.1f} MiB from the first rank test to the end of the session "
+            f"(bound {span_bound / MiB:.0f} MiB)"
+        )
     growth = rank_test_growth(report["tests"])
     steady = sum(delta for _, delta in growth[1:])
     if steady > bound:
@@ -116,7 +136,8 @@ def summary(report: dict[str, Any]) -> str:
         f"{len(report['tests'])} tests, {len(growth)} with ranks; pytest RSS "
         f"{session['pytest_rss_start_bytes'] / MiB:.0f} -> {session['pytest_rss_end_bytes'] / MiB:.0f} MiB; "
         f"first rank test +{first / MiB:.1f} MiB, the others +{steady / MiB:.1f} MiB in total "
-        f"(largest single test +{worst / MiB:.1f} MiB); leaked processes {leaks}"
+        f"(largest single test +{worst / MiB:.1f} MiB); from the first rank test to the end "
+        f"+{span_growth(report['tests']) / MiB:.1f} MiB; leaked processes {leaks}"
     )
 
 
@@ -182,18 +203,19 @@ def test_a_leaked_child_process_is_caught_and_killed(inner: dict[str, Any]) -> N
 
 @pytest.mark.L0
 def test_memory_kept_by_a_test_shows_as_growth_above_the_bound(inner: dict[str, Any]) -> None:
-    growth = dict(rank_test_growth(inner["report"]["tests"]))
-    (hoarder,) = [n for n in growth if n.endswith("test_hoards_memory")]
-    assert growth[hoarder] >= HOARD_MIB * MiB * 0.9
-    assert any("pytest RSS grew" in p for p in check_report(inner["report"]))
+    row = inner["rows"]["test_hoards_memory"]
+    assert row["pytest_rss_after_bytes"] - row["pytest_rss_before_bytes"] >= HOARD_MIB * MiB * 0.9
+    assert span_growth(inner["report"]["tests"]) >= HOARD_MIB * MiB * 0.9
+    assert any("from the first rank test to the end" in p for p in check_report(inner["report"]))
 
 
 def main(argv: list[str]) -> int:
-    """``python -m functional.test_session_leaks REPORT [BOUND_MIB]``: check a session report."""
+    """``python -m functional.test_session_leaks REPORT [BOUND_MIB [SPAN_BOUND_MIB]]``: check a report."""
     report = json.loads(Path(argv[0]).read_text())
     bound = int(argv[1]) * MiB if len(argv) > 1 else RANK_TEST_GROWTH_BOUND
+    span_bound = int(argv[2]) * MiB if len(argv) > 2 else SPAN_BOUND
     print(summary(report))
-    problems = check_report(report, bound)
+    problems = check_report(report, bound, span_bound)
     for p in problems:
         print("VIOLATION:", p)
     return 1 if problems else 0
