@@ -168,8 +168,9 @@ def combine_partials(rows: list[list[float]], stats: tuple[str, ...]) -> dict[st
     mean = total / n if n else math.nan
     m2 = sum(r[_M2] for r in rows) + sum(r[_N] * (r[_SUM] / r[_N] - mean) ** 2 for r in rows if r[_N])
     values: dict[str, float | int] = {
-        "min": min((r[_MIN] for r in rows), key=_nan_first),
-        "max": max((r[_MAX] for r in rows), key=_nan_last),
+        # Empty tensors (count 0) have no extremes; they only add zeros to the sums.
+        "min": min((r[_MIN] for r in rows if r[_N]), key=_nan_first, default=math.nan),
+        "max": max((r[_MAX] for r in rows if r[_N]), key=_nan_last, default=math.nan),
         "mean": mean,
         "std": math.sqrt(m2 / (n - 1)) if n > 1 and m2 == m2 else math.nan,
         "l1_norm": sum(r[_L1] for r in rows),

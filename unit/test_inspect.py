@@ -329,3 +329,12 @@ def test_activation_is_found_when_the_layer_is_called_with_keywords() -> None:
         fc1(input=x)
     (rec,) = inspector.history
     assert_stats_close(rec, reference_stats(x))
+
+
+def test_an_empty_microbatch_does_not_hide_the_extremes_of_the_others() -> None:
+    t = torch.tensor([1.0, -2.0, 5.0])
+    rows = [partial_stats(torch.empty(0)).tolist(), partial_stats(t).tolist()]
+    got = combine_partials(rows, SUPPORTED_STATS)
+    assert_stats_close(got, reference_stats(t))
+    empty = combine_partials(rows[:1], ("min", "max", "nan_count"))
+    assert math.isnan(empty["min"]) and math.isnan(empty["max"]) and empty["nan_count"] == 0
