@@ -3,8 +3,8 @@
 Single process (a world of one over gloo), the slim tensor-inspect model of
 `functional/test_tensor_inspect.py` (megatron-core GPT, 2 layers, hidden 64, sequence 128,
 micro batch 1), trained through the shared harness. The three kinds of step are interleaved
-round by round (plain, inspector off-step, inspector inspection step) so that drift in machine
-load hits all three alike; medians are reported. Nothing is asserted: this is a figure for
+round by round (plain, inspector off-step, inspector inspection step, in a rotating order) so
+that drift in machine load and order effects hit all three alike; medians are reported. Nothing is asserted: this is a figure for
 people, printed and optionally written as JSON.
 
     python -m ci.bench_inspect [--rounds 30] [--json out.json]
@@ -52,7 +52,9 @@ def measure(rounds: int) -> dict[str, float]:
             for _ in range(3):  # warm-up
                 trainer.train_step(batch())
             for r in range(rounds):
-                for kind, step in (("plain", None), ("off_step", 5 * r + 1), ("inspection_step", 5 * r + 5)):
+                kinds = [("plain", None), ("off_step", 5 * r + 1), ("inspection_step", 5 * r + 5)]
+                # Rotate the order each round so that no kind always runs first (cache, allocator).
+                for kind, step in kinds[r % 3 :] + kinds[: r % 3]:
                     data = batch()
                     start = time.perf_counter()
                     if step is None:
