@@ -14,7 +14,7 @@ case "$tier" in
 esac
 export PYTHONUNBUFFERED=1
 set +e
-"$py" -m pytest "${select[@]}" --kit-report reports --junitxml reports/junit.xml "$@"
+"$py" -m pytest "${select[@]}" --kit-report=reports --junitxml=reports/junit.xml "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

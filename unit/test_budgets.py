@@ -99,3 +99,23 @@ def test_format_size_picks_a_readable_unit() -> None:
     assert format_size(512) == "512 B"
     assert format_size(600 * 2**20) == "600.00 MiB"
     assert format_size(3 * 2**40) == "3072.00 GiB"
+
+
+@pytest.mark.parametrize(
+    ("budget", "card", "expected"),
+    [
+        (None, None, None),
+        (4 * 2**30, None, 4 * 2**30),
+        (None, "40GiB", 40 * 2**30),
+        (4 * 2**30, "40GiB", 4 * 2**30),
+        (80 * 2**30, "40GiB", 40 * 2**30),
+    ],
+)
+def test_device_cap_is_the_smaller_of_budget_and_emulated_card(monkeypatch, budget, card, expected):
+    from fixtures.rank_worker import _device_cap
+
+    if card is None:
+        monkeypatch.delenv("KIT_DEVICE_MEMORY", raising=False)
+    else:
+        monkeypatch.setenv("KIT_DEVICE_MEMORY", card)
+    assert _device_cap(budget) == expected
