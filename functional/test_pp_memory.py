@@ -12,7 +12,7 @@ every step, as `training_log` does it:
   ranks holding each maximum to a JSON lines file.
 
 The test reads the event files back and checks each value against the max of the stages' own
-reports. TensorBoard stores scalars as float32, so a byte count above 2**24 does not survive
+reports, and each report's host peak against the rank's own kernel high-water mark (VmHWM). TensorBoard stores scalars as float32, so a byte count above 2**24 does not survive
 exactly: TB values are compared with the float32 rounding of the exact maximum (which is what a
 correct writer produces, bit for bit), and the exact integers are compared through the JSON lines
 sink.
@@ -219,12 +219,23 @@ def log_memory(step: int, *, enabled: bool, interval: int, pp_group, writer, own
     if not (enabled and step % interval == 0):
         return
     report = memory_report()
-    own_sink.append({"step": step, "rank": torch.distributed.get_rank(), "report": report})
+    own_sink.append(
+        {"step": step, "rank": torch.distributed.get_rank(), "report": report, "vmhwm_bytes": _vmhwm_bytes()}
+    )
     values, ranks = reduce_max_memory(report, pp_group, return_ranks=True)
     if writer is not None:
         for key, value in values.items():
             writer.add_scalar(f"memory/{key}", value, step)
         reduced_sink.append({"step": step, "values": values, "ranks": ranks})
+
+
+def _vmhwm_bytes() -> int | None:
+    """This process' own resident high-water mark from the kernel (Linux), read independently."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def pp_memory_rank(rank: int, world_size: int, scenario_fields: dict, out: str, log_enabled: bool) -> dict:
@@ -319,6 +330,22 @@ def _expected_max(reports: dict[int, dict], key: str) -> tuple[Any, int]:
     return reports[best_rank][key], best_rank
 
 
+def _check_host_peak_is_this_process(entry: dict, rank: int, step: int) -> None:
+    """On CPU the report's peak must be the rank's own high-water mark, not an inherited one.
+
+    `getrusage(RUSAGE_SELF).ru_maxrss` survives `execve`: a rank spawned by a large pytest
+    process starts with the parent's RSS as its "peak". The kernel's VmHWM (read after the
+    report) is per address space and bounds the true peak from above.
+    """
+    report, hwm = entry["report"], entry["vmhwm_bytes"]
+    if "peak_rss_bytes" not in report or hwm is None:
+        return  # CUDA reports, or no /proc
+    assert report["rss_bytes"] <= report["peak_rss_bytes"] <= hwm, (
+        f"rank {rank} step {step}: peak_rss_bytes {report['peak_rss_bytes']} is not within "
+        f"[rss_bytes {report['rss_bytes']}, this process' VmHWM {hwm}]"
+    )
+
+
 def _check_scenario(scenario: PPScenario, tmp_path: Path) -> dict:
     on = run_ranks(pp_memory_rank, scenario.world_size, args=(asdict(scenario), str(tmp_path), True))
     off = run_ranks(pp_memory_rank, scenario.world_size, args=(asdict(scenario), str(tmp_path), False))
@@ -351,8 +378,11 @@ def _check_scenario(scenario: PPScenario, tmp_path: Path) -> dict:
                 assert tb[f"memory/{key}"][step] != want  # the reason for the exact JSON sink
         peak_keys = [k for k in keys if "peak" in k or "max" in k]
         first = next(r for r in group if on[r]["pp_rank"] == 0)
-        if any(entry["ranks"][k] == first for k in peak_keys):
+        # Strictly larger, not a tie won by the lower rank: the stages must really differ.
+        if any(all(reports[first][k] > reports[r][k] for r in group if r != first) for k in peak_keys):
             first_stage_won += 1
+        for r in group:
+            _check_host_peak_is_this_process(own[r][step - 1], r, step)
     # The bug this guards against needs stage 0 to be the larger one; check that it is.
     assert first_stage_won == len(reduced), "stage 0 should hold the peak on every logged step"
 
