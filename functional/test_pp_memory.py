@@ -215,27 +215,24 @@ def log_memory(step: int, *, enabled: bool, interval: int, pp_group, writer, own
     import torch
 
     from accounting import memory_report, reduce_max_memory
+    from fixtures.rank_worker import peak_rss_bytes  # the launcher's VmHWM reader, not accounting's
 
     if not (enabled and step % interval == 0):
         return
     report = memory_report()
     own_sink.append(
-        {"step": step, "rank": torch.distributed.get_rank(), "report": report, "vmhwm_bytes": _vmhwm_bytes()}
+        {
+            "step": step,
+            "rank": torch.distributed.get_rank(),
+            "report": report,
+            "vmhwm_bytes": peak_rss_bytes(),
+        }
     )
     values, ranks = reduce_max_memory(report, pp_group, return_ranks=True)
     if writer is not None:
         for key, value in values.items():
             writer.add_scalar(f"memory/{key}", value, step)
         reduced_sink.append({"step": step, "values": values, "ranks": ranks})
-
-
-def _vmhwm_bytes() -> int | None:
-    """This process' own resident high-water mark from the kernel (Linux), read independently."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def pp_memory_rank(rank: int, world_size: int, scenario_fields: dict, out: str, log_enabled: bool) -> dict:
@@ -338,8 +335,8 @@ def _check_host_peak_is_this_process(entry: dict, rank: int, step: int) -> None:
     report) is per address space and bounds the true peak from above.
     """
     report, hwm = entry["report"], entry["vmhwm_bytes"]
-    if "peak_rss_bytes" not in report or hwm is None:
-        return  # CUDA reports, or no /proc
+    if "peak_rss_bytes" not in report:
+        return  # a CUDA report
     assert report["rss_bytes"] <= report["peak_rss_bytes"] <= hwm, (
         f"rank {rank} step {step}: peak_rss_bytes {report['peak_rss_bytes']} is not within "
         f"[rss_bytes {report['rss_bytes']}, this process' VmHWM {hwm}]"

@@ -112,9 +112,9 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
     without it for the overhead figure, then save a synchronous checkpoint."""
     from megatron.core import parallel_state as ps
 
-    from accounting import memory_report
     from accounting.inspect import TensorInspector
     from fixtures.megatron import cpu_shim, destroy_model_parallel
+    from fixtures.rank_worker import peak_rss_bytes  # VmHWM: this rank's own high-water mark
     from fixtures.training import ModelConfig, ParallelConfig, TrainConfig, Trainer
 
     out_dir = Path(out)
@@ -170,7 +170,7 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
             writer.close()
         checkpoint = trainer.save(out_dir / "ckpt")
         trainer.close()
-        peak = memory_report()["peak_rss_bytes"]
+        peak = peak_rss_bytes()
         destroy_model_parallel()
     return {
         "rank": rank,
