@@ -287,12 +287,13 @@ def pp_memory_rank(rank: int, world_size: int, scenario_fields: dict, out: str, 
                     own_sink=own,
                     reduced_sink=reduced,
                 )
-            # The contract's no-op: a size-1 group (this layout's DP group when dp == 1) must not
-            # communicate, and returns its input.
+            # The contract's no-op: a size-1 group (the tensor-parallel group here, TP = 1) must
+            # not communicate, and returns its input itself.
             counter.phase = "size_one"
             probe = memory_report()
-            dp_group = parallel_state.get_data_parallel_group()
-            same = reduce_max_memory(probe, dp_group) if dp_group.size() == 1 else probe
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            assert tp_group.size() == 1
+            same = reduce_max_memory(probe, tp_group)
         finally:
             counter.uninstall()
             if writer is not None:
@@ -307,7 +308,7 @@ def pp_memory_rank(rank: int, world_size: int, scenario_fields: dict, out: str, 
             "pp_group_ranks": torch.distributed.get_process_group_ranks(pp_group),
             "dp_size": parallel_state.get_data_parallel_world_size(),
             "calls": counter.calls,
-            "size_one_noop": same == probe,
+            "size_one_noop": same is probe,
             "losses": losses,
         }
         destroy_model_parallel()
@@ -388,9 +389,7 @@ def _check_scenario(scenario: PPScenario, tmp_path: Path) -> dict:
         # all_gather_into_tensor when the ranks of the maxima are asked for).
         log_calls = res["calls"].get("log", [])
         assert len(log_calls) == scenario.steps, log_calls
-        assert all(
-            c.endswith(str(group if res["rank"] in group else res["pp_group_ranks"])) for c in log_calls
-        )
+        assert all(c.endswith(str(res["pp_group_ranks"])) for c in log_calls), log_calls
     for res_on, res_off in zip(on, off, strict=True):
         assert res_off["calls"].get("log", []) == []  # logging disabled: no collective at all
         assert res_off["calls"].get("train") == res_on["calls"].get("train")
