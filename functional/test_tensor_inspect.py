@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from fixtures.ranks import run_ranks
+from unit.test_inspect import reference_stats  # numpy float64, independent of the inspector
 
 LAYERS = r".*(fc1|fc2)"
 TENSORS = ("activation", "weight", "gradient")
@@ -50,21 +51,6 @@ EXPECTED_LAYERS = sorted(
     for n in range(1, NUM_LAYERS + 1)
     for fc in ("fc1", "fc2")
 )
-
-
-def reference_stats(t: np.ndarray) -> dict[str, float | int]:
-    """The statistics recomputed independently in float64."""
-    a = t.astype(np.float64).reshape(-1)
-    return {
-        "min": float(a.min()),
-        "max": float(a.max()),
-        "mean": float(a.mean()),
-        "std": float(a.std(ddof=1)),
-        "l1_norm": float(np.abs(a).sum()),
-        "l2_norm": float(np.sqrt((a * a).sum())),
-        "nan_count": int(np.isnan(a).sum()),
-        "inf_count": int(np.isinf(a).sum()),
-    }
 
 
 class IndependentCapture:

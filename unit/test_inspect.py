@@ -57,9 +57,11 @@ class Block(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
-def reference_stats(t: torch.Tensor) -> dict[str, float]:
-    """The statistics recomputed independently with numpy in float64."""
-    a = t.detach().double().numpy().reshape(-1)
+def reference_stats(t: torch.Tensor | np.ndarray) -> dict[str, float]:
+    """The statistics recomputed independently with numpy in float64 (also used by functional/)."""
+    a = (
+        t.detach().cpu().double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
+    ).reshape(-1)
     return {
         "min": float(a.min()),
         "max": float(a.max()),
