@@ -142,15 +142,19 @@ def partial_stats(tensor: torch.Tensor) -> torch.Tensor:
         nan = torch.full((), math.nan, dtype=torch.float64, device=x.device)
         zero = torch.zeros((), dtype=torch.float64, device=x.device)
         return torch.stack([zero, nan, nan, zero, zero, zero, zero, zero, zero])
-    mean = x.mean()
+    f64 = torch.float64
+    # Sums accumulate in float64 (no float64 copy of the tensor is made); the mean is then
+    # accurate to the tensor's own precision, so a constant tensor gets M2 = 0 exactly.
+    total = x.sum(dtype=f64)
+    mean = (total / n).to(x.dtype)
     parts = [
-        torch.full((), float(n), dtype=torch.float64, device=x.device),
+        torch.full((), float(n), dtype=f64, device=x.device),
         x.min(),
         x.max(),
-        x.sum(),
-        (x - mean).square().sum(),
-        x.abs().sum(),
-        x.square().sum(),
+        total,
+        (x - mean).square().sum(dtype=f64),
+        x.abs().sum(dtype=f64),
+        x.square().sum(dtype=f64),
         x.isnan().sum(),
         x.isinf().sum(),
     ]
