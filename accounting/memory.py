@@ -10,8 +10,8 @@ representing integers exactly, so the round trip through float64 is exact for th
 from __future__ import annotations
 
 import hashlib
-import os
 import resource
+import sys
 from typing import Any
 
 import torch
@@ -36,12 +36,24 @@ _CAPACITY = 128
 
 
 def _host_rss_bytes() -> tuple[int, int]:
-    """Current and peak resident set size of this process, in bytes."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    """Current and peak resident set size of this process, in bytes.
+
+    The peak is /proc's VmHWM, not `ru_maxrss`: Linux carries `ru_maxrss` over an exec, so a rank
+    spawned from a large pytest process would report its parent's RSS as its own peak.
+    """
+    current = peak = None
     try:
-        with open("/proc/self/statm") as f:
-            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    current = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
+        pass
+    if peak is None:  # no /proc (macOS reports ru_maxrss in bytes, Linux in KiB)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    if current is None:
         current = peak
     return current, max(current, peak)
 

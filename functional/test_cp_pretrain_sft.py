@@ -151,7 +151,9 @@ def cp1_reference_worker(rank: int, world_size: int, s: Scenario, root: str) -> 
         trainer.load(Path(root) / "pretrain", load_optimizer=False)
         loss, grads = trainer.compute_gradients(data["probe"])
         destroy_model_parallel()
-    return {"loss": loss, "grads": grads}
+    # The packs go back to the test, so the pytest process never imports HF datasets (~90 MiB
+    # of RSS it would keep for the rest of a shared session).
+    return {"loss": loss, "grads": grads, "data": data}
 
 
 # ------------------------------------------------------------------------- independent oracles
@@ -263,7 +265,7 @@ def test_cp2_pretrain_then_sft_on_megatron_core(backend: str, tmp_path: Path) ->
     ranks = run_ranks(cp_scenario_worker, 2, backend=backend, args=(s, str(tmp_path)), timeout=240)
     ref = run_ranks(cp1_reference_worker, 1, backend=backend, args=(s, str(tmp_path)), timeout=180)[0]
     wall = time.perf_counter() - started
-    data = _data(s)
+    data = ref["data"]
 
     # The layout: CP=2 and a pure DP group of one; FLOPs counted in packed (THD) mode.
     for r in ranks:
