@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs the kit with its test and megatron extras.
+# Creates .venv (once) and installs the kit with its test, megatron and inspect extras.
 # CPU machines get torch==2.13.0 first: a bare `torch` requirement would pull a multi-GB CUDA build.
 # Transformer Engine is never installed here: on a machine without CUDA it raises RuntimeError at
 # import and breaks `import megatron.core`. GPU containers that already ship torch and TE set
@@ -31,5 +31,5 @@ if ! "$py" -c 'import torch' 2>/dev/null; then
     pip install torch==2.13.0
   fi
 fi
-pip install -e ".[test,megatron]"
+pip install -e ".[test,megatron,inspect]"
 echo "$want" > "$stamp"
