@@ -1,48 +1,23 @@
 """The accounting library's collectives on real process groups (gloo on CPU, NCCL with enough GPUs).
 
 Each spawn runs several checks in one rank function (a spawn costs seconds). Collectives are
-counted for real inside the ranks by wrapping `torch.distributed`'s functions, so "exactly one
-all-reduce" and "no collective" are measured, not assumed. Expected values are plain Python sums
-and maxima over the inputs the parent generated.
+counted for real inside the ranks (`fixtures.collectives.CollectiveCounter` wraps
+`torch.distributed`'s functions), so "exactly one all-reduce" and "no collective" are measured,
+not assumed. Expected values are plain Python sums and maxima over the inputs the parent generated.
 """
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fixtures.collectives import COLLECTIVES, CollectiveCounter
 from fixtures.ranks import run_ranks
 from unit.strategies import cu_from_lengths, doc_lengths, rank_memory_reports
 
 pytestmark = [pytest.mark.L0]
-
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "broadcast",
-    "reduce_scatter",
-    "barrier",
-)
-
-
-def _count_collectives() -> dict[str, int]:
-    """Wraps torch.distributed's collectives in this rank; returns the live call counter."""
-    counts = dict.fromkeys(_COLLECTIVES, 0)
-    for name in _COLLECTIVES:
-        original = getattr(torch.distributed, name)
-
-        @functools.wraps(original)
-        def counted(*args, _name=name, _original=original, **kwargs):
-            counts[_name] += 1
-            return _original(*args, **kwargs)
-
-        setattr(torch.distributed, name, counted)
-    return counts
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -55,7 +30,8 @@ def _cu(lengths: list[int]) -> torch.Tensor:
 def _dp_checks(rank: int, world_size: int, packs_per_rank: list[list[list[int]]]) -> dict:
     from accounting import FlopsAccumulator, ModelShape
 
-    counts = _count_collectives()
+    # Left installed: the rank exits after this function.
+    counter = CollectiveCounter().install()
     world = torch.distributed.group.WORLD
     shape = ModelShape(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32)
     out = {}
@@ -63,27 +39,29 @@ def _dp_checks(rank: int, world_size: int, packs_per_rank: list[list[list[int]]]
     packed = FlopsAccumulator(packed=True, dp_group=world)
     for lengths in packs_per_rank[rank]:
         packed.add_microbatch(cu_seqlens=_cu(lengths))
-    before = dict(counts)
+    counter.phase = "packed"
     out["packed"] = packed.resolve().to_dict()
-    out["packed_collectives"] = {k: counts[k] - before[k] for k in counts}
+    out["packed_collectives"] = counter.counts("packed")
 
+    counter.phase = "setup"
     dense = FlopsAccumulator(packed=False, dp_group=world)
     dense.add_microbatch(micro_batch_size=2, seq_len=16)
-    before = dict(counts)
+    counter.phase = "dense"
     out["dense"] = dense.resolve().to_dict()
-    out["dense_collectives"] = sum(counts.values()) - sum(before.values())
+    out["dense_collectives"] = sum(counter.counts("dense").values())
 
     # Rank 1 sees a degenerate pack (only zero-length segments), then no microbatch at all:
     # it must still join the reduce, or rank 0 would wait forever.
+    counter.phase = "setup"
     degenerate = FlopsAccumulator(packed=True, dp_group=world)
     degenerate.add_microbatch(cu_seqlens=_cu([5, 7]) if rank == 0 else torch.tensor([0, 0, 0]))
     out["degenerate"] = degenerate.resolve().to_dict()
     nothing = FlopsAccumulator(packed=True, dp_group=world)
     if rank == 0:
         nothing.add_microbatch(cu_seqlens=_cu([3]))
-    before = dict(counts)
+    counter.phase = "nothing"
     out["step_flops"] = nothing.step(shape)
-    out["nothing_collectives"] = counts["all_reduce"] - before["all_reduce"]
+    out["nothing_collectives"] = counter.counts("nothing")["all_reduce"]
     return out
 
 
@@ -103,7 +81,7 @@ def test_packed_dp_reduce_is_one_exact_all_reduce_and_dense_runs_none(packs_per_
         assert out["packed"]["tokens"] == sum(every_doc)
         assert out["packed"]["squared"] == sum(s * s for s in every_doc)
         assert out["packed"]["num_sequences"] == len(every_doc)
-        assert out["packed_collectives"] == {**dict.fromkeys(_COLLECTIVES, 0), "all_reduce": 1}
+        assert out["packed_collectives"] == {**dict.fromkeys(COLLECTIVES, 0), "all_reduce": 1}
         assert out["dense"]["tokens"] == 2 * 2 * 16 and out["dense"]["squared"] == 2 * 2 * 16 * 16
         assert out["dense_collectives"] == 0
         assert (out["degenerate"]["tokens"], out["degenerate"]["squared"]) == (12, 25 + 49)
@@ -117,7 +95,7 @@ def test_packed_dp_reduce_is_one_exact_all_reduce_and_dense_runs_none(packs_per_
 def _cp_dp_checks(rank: int, world_size: int, dp_packs: list[list[int]]) -> dict:
     from accounting import FlopsAccumulator, reduce_max_memory
 
-    counts = _count_collectives()
+    counter = CollectiveCounter().install()
     # Layout: rank = dp * 2 + cp. CP pairs {0,1}, {2,3} share a DP rank; DP groups {0,2}, {1,3}.
     dp_groups = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
     dp_group = dp_groups[rank % 2]
@@ -125,9 +103,10 @@ def _cp_dp_checks(rank: int, world_size: int, dp_packs: list[list[int]]) -> dict
     acc = FlopsAccumulator(packed=True, dp_group=dp_group)
     # Every CP rank of a DP rank sees the same, full cu_seqlens (tokens are CP-sliced, lengths are not).
     acc.add_microbatch(cu_seqlens=_cu(dp_packs[dp_rank]), tokens=torch.zeros(1, 4), seq_len=1024)
-    before = counts["all_reduce"]
+    counter.phase = "resolve"
     stats = acc.resolve().to_dict()
-    reduces = counts["all_reduce"] - before
+    reduces = counter.counts("resolve")["all_reduce"]
+    counter.phase = "memory"
 
     report = {"peak_rss_bytes": 1000 + rank if rank in (1, 3) else 5000, "ooms": rank}
     values, ranks = (
@@ -158,20 +137,21 @@ def test_cp_ranks_are_counted_once_by_reducing_over_the_pure_dp_group():
 def _memory_checks(rank: int, world_size: int, cases: list[list[dict]]) -> dict:
     from accounting import reduce_max_memory
 
-    counts = _count_collectives()
+    counter = CollectiveCounter().install()
     world = torch.distributed.group.WORLD
     out = {"values": [], "ranked": [], "collectives": [], "unchanged": True}
-    for reports in cases:
+    for i, reports in enumerate(cases):
         mine = reports[rank]
         copy = dict(mine)
-        before = sum(counts.values())
+        counter.phase = f"case {i}"
         out["values"].append(reduce_max_memory(mine, world))
         out["ranked"].append(reduce_max_memory(mine, world, return_ranks=True))
-        out["collectives"].append(sum(counts.values()) - before)
+        out["collectives"].append(sum(counter.counts(counter.phase).values()))
         out["unchanged"] &= mine == copy and [type(v) for v in mine.values()] == [
             type(v) for v in copy.values()
         ]
 
+    counter.phase = "mismatches"
     errors = []
     mismatches = [
         ({"a": 1, "b": 2}, {"a": 1, "c": 2}),  # same count, different names

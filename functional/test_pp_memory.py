@@ -25,14 +25,13 @@ that this, not allocator noise, decides the peak, and puts the same number of la
 logits-sized tensors (vocabulary 128) on each stage. The test asserts that stage 0's own peak is
 the larger one, so a pipeline where the last stage's report happened to win would be noticed.
 
-Collectives are counted for real inside each rank by wrapping `torch.distributed`'s functions:
+Collectives are counted for real inside each rank (`fixtures.collectives.CollectiveCounter`):
 a logging step adds exactly one all-reduce over the PP group; with logging disabled the logging
 block runs none, and the training steps run the same collectives either way.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fixtures.collectives import CollectiveCounter
 from fixtures.ranks import run_ranks
 
 
@@ -68,78 +68,6 @@ class PPScenario:
 
 PP2 = PPScenario("pp2", world_size=2, pp=2)
 DP2_PP2 = PPScenario("dp2xpp2", world_size=4, pp=2)
-
-# torch.distributed functions a rank may call to communicate; each is wrapped to count calls.
-_COMMUNICATION = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "batch_isend_irecv",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "irecv",
-    "isend",
-    "recv",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "send",
-)
-
-
-class CollectiveCounter:
-    """Counts torch.distributed calls per phase ("train", "log", ...) inside one rank."""
-
-    def __init__(self) -> None:
-        self.phase = "setup"
-        self.calls: dict[str, list[str]] = {}
-        self._saved: list[tuple[Any, str, Any]] = []
-
-    def install(self) -> CollectiveCounter:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
-
-        for name in _COMMUNICATION:
-            original = getattr(distributed_c10d, name, None)
-            if original is None:
-                continue
-            # One wrapper shared by both namespaces: P2POp checks `op in (isend, irecv)` by identity.
-            counted = self._wrap(name, original)
-            for module in (dist, distributed_c10d):
-                if getattr(module, name, None) is original:
-                    self._saved.append((module, name, original))
-                    setattr(module, name, counted)
-        return self
-
-    def uninstall(self) -> None:
-        for module, name, original in reversed(self._saved):
-            setattr(module, name, original)
-        self._saved = []
-
-    def _wrap(self, name: str, original: Any) -> Any:
-        @functools.wraps(original)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group")
-            ranks = _group_ranks(group) if group is not None else None
-            self.calls.setdefault(self.phase, []).append(f"{name}{ranks}" if ranks else name)
-            return original(*args, **kwargs)
-
-        return counted
-
-
-def _group_ranks(group: Any) -> list[int] | None:
-    import torch.distributed as dist
-
-    try:
-        return dist.get_process_group_ranks(group)
-    except Exception:  # not a ProcessGroup (e.g. a megatron wrapper): leave it unnamed
-        return None
 
 
 def _batches(scenario: PPScenario, seed: int):
