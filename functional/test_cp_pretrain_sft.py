@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from fixtures.ranks import run_ranks
+from fixtures.tensorboard import read_scalars
 from fixtures.training import ModelConfig
 
 # --------------------------------------------------------------------------------- the scenario
@@ -214,14 +215,6 @@ def _check_checkpoint(path: Path, iteration: int, m: ModelConfig) -> None:
     assert all((it_dir / f).stat().st_size > 0 for f in on_disk)
 
 
-def _scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 # ------------------------------------------------------------------------------------- the test
 
 # CP=1 vs CP=2 (fp32 on CPU): the only difference is the order of floating-point sums (the CP
@@ -340,7 +333,7 @@ def test_cp2_pretrain_then_sft_on_megatron_core(backend: str, tmp_path: Path) ->
 
     # TensorBoard (rank 0 writes): interval TFLOP/s per GPU and the memory peaks, read back.
     for phase, steps in (("pretrain", s.pretrain_steps), ("sft", s.sft_steps)):
-        scalars = _scalars(tmp_path / f"tb_{phase}")
+        scalars = read_scalars(tmp_path / f"tb_{phase}")
         results = ranks[0][phase]
         tput = scalars["throughput/tflops_per_gpu"]
         assert [step for step, _ in tput] == list(range(1, steps + 1))

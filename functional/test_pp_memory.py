@@ -43,6 +43,7 @@ import pytest
 
 from fixtures.collectives import CollectiveCounter
 from fixtures.ranks import run_ranks
+from fixtures.tensorboard import read_scalars
 
 
 @dataclass(frozen=True)
@@ -243,13 +244,6 @@ def pp_memory_rank(rank: int, world_size: int, scenario_fields: dict, out: str, 
     return result
 
 
-def _read_tb(tb_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0}).Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
 def _expected_max(reports: dict[int, dict], key: str) -> tuple[Any, int]:
     """The max of `key` over the ranks' own reports, and the lowest rank holding it."""
     best_rank = min(reports, key=lambda r: (-reports[r][key], r))
@@ -281,7 +275,7 @@ def _check_scenario(scenario: PPScenario, tmp_path: Path) -> dict:
 
     own = {r: json.loads((tmp_path / f"own_on_rank{r}.json").read_text()) for r in range(scenario.world_size)}
     reduced = [json.loads(line) for line in (tmp_path / "reduced.jsonl").read_text().splitlines()]
-    tb = _read_tb(tmp_path / "tb")
+    tb = {tag: dict(events) for tag, events in read_scalars(tmp_path / "tb").items()}
     assert [r["step"] for r in reduced] == list(range(1, scenario.steps + 1))
     keys = set(own[writer][0]["report"])
     assert keys and {t.removeprefix("memory/") for t in tb} == keys

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from fixtures.ranks import run_ranks
+from fixtures.tensorboard import read_scalars
 from unit.test_inspect import reference_stats  # numpy float64, independent of the inspector
 
 LAYERS = r".*(fc1|fc2)"
@@ -170,13 +171,6 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
     }
 
 
-def _read_tb(tb_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0}).Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
 def _close(got: float, want: float) -> bool:
     return got == pytest.approx(want, rel=1e-5, abs=1e-7)
 
@@ -207,7 +201,7 @@ def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(tmp_path: Pat
         assert res["peak_rss_bytes"] < HOST_BUDGET_BYTES
         assert (Path(res["checkpoint"]) / "metadata.json").exists()
 
-    tb = _read_tb(tmp_path / "tb")
+    tb = {tag: dict(events) for tag, events in read_scalars(tmp_path / "tb").items()}
     rank0 = {
         (r["step"], r["layer"], r["tensor"]): r
         for r in map(json.loads, (tmp_path / "stats_rank0.jsonl").open())
