@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import accounting
 from fixtures.data import ByteTokenizer, pack_examples, squad_like_dataset, tokenize_dataset
 from fixtures.megatron import cpu_shim, destroy_model_parallel
 from fixtures.training import (
@@ -92,7 +93,9 @@ def one_rank_group(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_one_rank_trainer_trains_saves_and_refuses_bad_loads(one_rank_group: None, tmp_path: Path) -> None:
+def test_one_rank_trainer_trains_saves_and_refuses_bad_loads(
+    one_rank_group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     torch.set_num_threads(1)
     tok = ByteTokenizer()
     examples = tokenize_dataset(squad_like_dataset(6), tok, kind="pretrain", max_len=127)
@@ -127,7 +130,20 @@ def test_one_rank_trainer_trains_saves_and_refuses_bad_loads(one_rank_group: Non
             CheckpointMismatchError, match=r"'embedding.word_embeddings.weight'.*\(320, 64\).*\(384, 64\)"
         ):
             wide.load(tmp_path / "ckpt")
-        again = Trainer(model, ParallelConfig(), TrainConfig(lr=1e-2))
+        again = Trainer(model, ParallelConfig(), TrainConfig(lr=1e-2, log_interval=2))
         assert again.load(tmp_path / "ckpt") == 1
         assert again.iteration == 1 and again.flops.total_flops == trainer.flops.total_flops
         assert math.isclose(again.forward_loss(packs[:2]), trainer.forward_loss(packs[:2]), rel_tol=1e-6)
+        # log_interval=2: memory is reduced on even iterations only (2 logs, 3 does not).
+        reduced_at: list[int] = []
+        real_reduce = accounting.reduce_max_memory
+
+        def counted_reduce(*args, **kwargs):
+            reduced_at.append(again.iteration)
+            return real_reduce(*args, **kwargs)
+
+        monkeypatch.setattr(accounting, "reduce_max_memory", counted_reduce)
+        even, odd = again.train_step(packs[:2]), again.train_step(packs[:2])
+        assert (even.iteration, odd.iteration) == (2, 3) and reduced_at == [2]
+        assert even.memory["peak_rss_bytes"] > 0 and even.tflops_per_gpu is not None
+        assert odd.memory is None and odd.tflops_per_gpu is None and odd.local_memory["peak_rss_bytes"] > 0
