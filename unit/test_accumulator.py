@@ -188,6 +188,10 @@ def test_window_is_carried_to_the_flops():
     acc = FlopsAccumulator(packed=True, window_size=2)
     acc.add_microbatch(cu_seqlens=torch.tensor([0, 10]))
     expected = training_flops(shape, seqlen_stats(torch.tensor([0, 10]), window_size=2)).total
+    # Independent of training_flops: per token 2*(8*(8+2*8) + 8*8) projections + 2*8*32*2 mlp +
+    # 2*8*8 logits = 1664; window (2, 0) leaves 1+2+3*8 = 27 causal pairs, Megatron's convention
+    # counts 2*27 - 10 = 44 half-pairs at 2q = 16 FLOPs each; fwd + bwd = 3x.
+    assert expected == 3 * (1664 * 10 + 16 * 44) == 52032
     assert acc.step(shape) == expected
     with pytest.raises(ValueError, match="window"):
         FlopsAccumulator(packed=True).step(shape)
