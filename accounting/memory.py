@@ -33,6 +33,8 @@ _CUDA_KEYS = {
 }
 # Value slots of the reduce tensor: a fixed length keeps the collective's shape rank-independent.
 _CAPACITY = 128
+# Flag slot value (MAX-reduced with the 0/1 overflow flag): some rank has a non-numeric value.
+_BAD_VALUE = 2.0
 
 
 def _host_rss_bytes() -> tuple[int, int]:
@@ -80,10 +82,12 @@ def _key_hash(keys: list[str]) -> float:
     return float(int.from_bytes(digest, "little") & ((1 << 52) - 1))
 
 
-def _as_number(key: str, value: Any) -> float:
-    if not isinstance(value, (int, float)):
-        raise TypeError(f"reduce_max_memory: report[{key!r}] = {value!r} is not an int, float or bool")
-    return float(value)
+def _bad_value(report: dict[str, Any], keys: list[str]) -> str | None:
+    """The message for this rank's first non-numeric value, or None when every value is a number."""
+    for key in keys:
+        if not isinstance(report[key], (int, float)):
+            return f"reduce_max_memory: report[{key!r}] = {report[key]!r} is not an int, float or bool"
+    return None
 
 
 def _restore_type(original: Any, value: float) -> Any:
@@ -111,7 +115,8 @@ def reduce_max_memory(
     `(values, ranks)` where `ranks[key]` is the global rank holding the maximum (lowest on ties);
     that mode all-gathers the values (bytes grow with the group size: 8 * (_CAPACITY + 5) per
     rank, ~1 MB for 1000 ranks, acceptable at logging frequency), the default mode all-reduces.
-    Reports with different key sets raise ValueError on every rank.
+    Reports with different key sets, or a value that is not a number on any rank, raise
+    ValueError on every rank (after the collective, so no rank is left waiting).
     """
     dist = torch.distributed
     if not report or not (dist.is_available() and dist.is_initialized()):
@@ -121,14 +126,18 @@ def reduce_max_memory(
         return _no_op(report, return_ranks)
 
     keys = sorted(report)
-    values = [_as_number(k, report[k]) for k in keys]
+    # A bad value must not raise before the collective (the other ranks would wait forever): it
+    # travels as a flag, and every rank raises after the collective.
+    bad = _bad_value(report, keys)
+    values = [0.0 if bad else float(report[k]) for k in keys]
     overflow = len(keys) > _CAPACITY
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     buf = torch.zeros(_CAPACITY + 5, dtype=torch.float64, device=device)
     if not overflow:
         buf[: len(values)] = torch.tensor(values, dtype=torch.float64)
     key_hash, count = _key_hash(keys), float(len(keys))
-    buf[_CAPACITY:] = torch.tensor([key_hash, -key_hash, count, -count, float(overflow)], dtype=torch.float64)
+    flag = _BAD_VALUE if bad else float(overflow)
+    buf[_CAPACITY:] = torch.tensor([key_hash, -key_hash, count, -count, flag], dtype=torch.float64)
 
     if return_ranks:
         # Flat output: gloo only accepts the concatenation, NCCL takes both.
@@ -136,7 +145,7 @@ def reduce_max_memory(
         dist.all_gather_into_tensor(gathered, buf, group=group)
         rows = gathered.view(size, buf.numel()).cpu()
         _check_alignment(
-            keys, rows[:, _CAPACITY].tolist(), rows[:, _CAPACITY + 2].tolist(), rows[:, -1].tolist()
+            keys, rows[:, _CAPACITY].tolist(), rows[:, _CAPACITY + 2].tolist(), rows[:, -1].tolist(), bad
         )
         maxima = rows[:, : len(keys)].max(dim=0).values
         ranks = _lowest_rank_at_max(rows[:, : len(keys)], maxima)
@@ -148,7 +157,9 @@ def reduce_max_memory(
     tail = buf[_CAPACITY:].cpu().tolist()
     hashes_agree = tail[0] == -tail[1] == key_hash
     counts_agree = tail[2] == -tail[3] == count
-    _check_alignment(keys, [key_hash if hashes_agree else -1.0], [count if counts_agree else -1.0], [tail[4]])
+    _check_alignment(
+        keys, [key_hash if hashes_agree else -1.0], [count if counts_agree else -1.0], [tail[4]], bad
+    )
     maxima = buf[: len(keys)].cpu().tolist()
     reduced = {k: _restore_type(report[k], m) for k, m in zip(keys, maxima, strict=True)}
     return {k: reduced[k] for k in report}
@@ -161,10 +172,16 @@ def _lowest_rank_at_max(rows: torch.Tensor, maxima: torch.Tensor) -> list[int]:
 
 
 def _check_alignment(
-    keys: list[str], hashes: list[float], counts: list[float], overflow: list[float]
+    keys: list[str], hashes: list[float], counts: list[float], flags: list[float], bad: str | None = None
 ) -> None:
-    """Raises the same ValueError on every rank when the ranks' key sets differ."""
-    if any(overflow):
+    """Raises a ValueError on every rank when a rank's report is unusable or the key sets differ."""
+    if bad is not None:
+        raise ValueError(bad)
+    if any(f == _BAD_VALUE for f in flags):
+        raise ValueError(
+            "reduce_max_memory: another rank's report has a value that is not an int, float or bool"
+        )
+    if any(flags):
         raise ValueError(f"reduce_max_memory: a rank's report has more than {_CAPACITY} keys")
     own_hash, own_count = _key_hash(keys), float(len(keys))
     if any(h != own_hash for h in hashes) or any(c != own_count for c in counts):

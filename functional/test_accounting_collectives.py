@@ -165,6 +165,16 @@ def _memory_checks(rank: int, world_size: int, cases: list[list[dict]]) -> dict:
             except ValueError as err:
                 errors.append(str(err))
     out["errors"] = errors
+
+    # A non-numeric value on one rank: a ValueError on both ranks, not a hang of the other one.
+    bad_value_errors = []
+    for return_ranks in (False, True):
+        try:
+            reduce_max_memory({"a": 1} if rank == 0 else {"a": "lots"}, world, return_ranks=return_ranks)
+            bad_value_errors.append(None)
+        except ValueError as err:
+            bad_value_errors.append(str(err))
+    out["bad_value_errors"] = bad_value_errors
     return out
 
 
@@ -197,3 +207,11 @@ def test_reduce_max_memory_equals_the_elementwise_max_keeps_types_and_names_the_
             assert list(values) == list(reports[0])  # the caller's key order
             assert ranks == expected_ranks
         assert all(e is not None and "ranks report different keys" in e for e in out["errors"]), out["errors"]
+    assert (
+        results[0]["bad_value_errors"]
+        == ["reduce_max_memory: another rank's report has a value that is not an int, float or bool"] * 2
+    )
+    assert (
+        results[1]["bad_value_errors"]
+        == ["reduce_max_memory: report['a'] = 'lots' is not an int, float or bool"] * 2
+    )
