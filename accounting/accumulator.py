@@ -145,11 +145,17 @@ class FlopsAccumulator:
 
         Packed mode with torch.distributed initialised and a world larger than one requires a
         `dp_group` (here or at construction): defaulting to the world would over-count under
-        tensor, pipeline or context parallelism.
+        tensor, pipeline or context parallelism. Dense mode there requires `dp_size` or
+        `dp_group`: defaulting to 1 would under-count.
         """
         group = dp_group if dp_group is not None else self.dp_group
         if not self.packed:
             size = dp_size if dp_size is not None else self.dp_size
+            if size is None and group is None and _dist_ready() and torch.distributed.get_world_size() > 1:
+                raise ValueError(
+                    "FlopsAccumulator(packed=False).resolve: pass dp_size= or dp_group= (the pure "
+                    "data-parallel group); without them the global batch would count one DP rank only"
+                )
             if size is None:
                 size = _group_size(group) if group is not None and _dist_ready() else 1
             return self._dense.scaled(size)

@@ -49,6 +49,15 @@ def _dp_checks(rank: int, world_size: int, packs_per_rank: list[list[list[int]]]
     counter.phase = "dense"
     out["dense"] = dense.resolve().to_dict()
     out["dense_collectives"] = sum(counter.counts("dense").values())
+    # Dense without a DP size or group in a 2-rank world: refused, not silently counted as DP=1.
+    counter.phase = "setup"
+    ungrouped = FlopsAccumulator(packed=False)
+    ungrouped.add_microbatch(micro_batch_size=2, seq_len=16)
+    try:
+        ungrouped.resolve()
+        out["dense_without_group"] = None
+    except ValueError as err:
+        out["dense_without_group"] = str(err)
 
     # Rank 1 sees a degenerate pack (only zero-length segments), then no microbatch at all:
     # it must still join the reduce, or rank 0 would wait forever.
@@ -84,6 +93,7 @@ def test_packed_dp_reduce_is_one_exact_all_reduce_and_dense_runs_none(packs_per_
         assert out["packed_collectives"] == {**dict.fromkeys(COLLECTIVES, 0), "all_reduce": 1}
         assert out["dense"]["tokens"] == 2 * 2 * 16 and out["dense"]["squared"] == 2 * 2 * 16 * 16
         assert out["dense_collectives"] == 0
+        assert "pass dp_size= or dp_group=" in (out["dense_without_group"] or ""), out["dense_without_group"]
         assert (out["degenerate"]["tokens"], out["degenerate"]["squared"]) == (12, 25 + 49)
         assert out["nothing_collectives"] == 1
     assert results[0]["step_flops"] == results[1]["step_flops"] > 0
