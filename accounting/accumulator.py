@@ -13,6 +13,8 @@ still joins the all-reduce, so it cannot deadlock the others.
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from typing import Any
 
 import torch
@@ -31,6 +33,17 @@ def _dist_ready() -> bool:
 
 def _group_size(group: Any) -> int:
     return torch.distributed.get_world_size(group)
+
+
+def _count(name: str, value: Any) -> int:
+    """A Python int >= 0 (numpy ints too); no silent truncation of floats, no read of a tensor."""
+    count = -1
+    if not isinstance(value, (bool, torch.Tensor)):
+        with contextlib.suppress(TypeError):
+            count = operator.index(value)
+    if count < 0:
+        raise ValueError(f"add_microbatch: {name} = {value!r} must be an int >= 0 (not a float or a tensor)")
+    return count
 
 
 def _reduce_device(group: Any) -> torch.device:
@@ -129,7 +142,7 @@ class FlopsAccumulator:
                 raise ValueError("add_microbatch: a dense FlopsAccumulator needs seq_len or tokens")
             seq_len = tokens.shape[-1]
         self._dense = self._dense + SeqlenStats.dense(
-            int(micro_batch_size), int(seq_len), window_size=self.window
+            _count("micro_batch_size", micro_batch_size), _count("seq_len", seq_len), window_size=self.window
         )
 
     def local_stats(self) -> SeqlenStats:

@@ -177,6 +177,20 @@ def test_packed_mode_needs_cu_seqlens_and_dense_mode_needs_a_shape():
         FlopsAccumulator(packed="yes")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"micro_batch_size": 2.7, "seq_len": 8}, "micro_batch_size"),
+        ({"micro_batch_size": -1, "seq_len": 8}, "micro_batch_size"),
+        ({"micro_batch_size": 2, "seq_len": torch.tensor(8)}, "seq_len"),
+        ({"micro_batch_size": True, "seq_len": 8}, "micro_batch_size"),
+    ],
+)
+def test_dense_microbatch_sizes_must_be_ints_not_truncated_floats_or_tensors(kwargs, name):
+    with pytest.raises(ValueError, match=rf"^add_microbatch: {name} = .* must be an int >= 0"):
+        FlopsAccumulator(packed=False).add_microbatch(**kwargs)
+
+
 def test_validate_mode_rejects_malformed_boundaries():
     acc = FlopsAccumulator(packed=True, validate=True)
     with pytest.raises(ValueError, match="must not decrease"):
