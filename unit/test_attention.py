@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from fixtures.attention import ReferenceCoreAttention, naive_attention, thd_attention
 
+pytestmark = pytest.mark.L0
+
 
 def _qkv(t: int, heads: int, groups: int, dim: int, seed: int, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)

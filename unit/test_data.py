@@ -27,6 +27,8 @@ from fixtures.data import (
     tokenize_dataset,
 )
 
+pytestmark = pytest.mark.L0
+
 TOK = ByteTokenizer()
 
 

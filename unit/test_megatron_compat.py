@@ -14,7 +14,10 @@ import torch
 
 from fixtures import megatron as fm
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is a no-op where CUDA exists")
+pytestmark = [
+    pytest.mark.L0,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is a no-op where CUDA exists"),
+]
 
 
 def _originals() -> dict[str, object]:

@@ -30,9 +30,10 @@ from fixtures.training import (
     checkpoint_dir,
 )
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="CPU harness checks (the GPU path is functional)"
-)
+pytestmark = [
+    pytest.mark.L0,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness checks (the GPU path is functional)"),
+]
 
 
 def test_transformer_config_maps_the_shape_and_the_test_settings() -> None:
