@@ -93,6 +93,14 @@ class IntervalThroughput:
             raise ValueError(f"world_size = {world_size!r} must be a positive int")
         if peak_flops_per_gpu is None and device_name is not None:
             peak_flops_per_gpu = peak_flops(device_name, dtype)
+        if peak_flops_per_gpu is not None and (
+            isinstance(peak_flops_per_gpu, bool)
+            or not isinstance(peak_flops_per_gpu, (int, float))
+            or not 0 < peak_flops_per_gpu < float("inf")
+        ):
+            raise ValueError(
+                f"peak_flops_per_gpu = {peak_flops_per_gpu!r} must be a positive, finite FLOP/s figure"
+            )
         self.world_size = world_size
         self.peak_flops_per_gpu = peak_flops_per_gpu
         self.clock = clock

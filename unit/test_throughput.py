@@ -113,3 +113,10 @@ def test_unknown_device_or_dtype_is_refused(device, dtype):
 def test_world_size_must_be_positive():
     with pytest.raises(ValueError, match="world_size"):
         IntervalThroughput(0)
+
+
+@pytest.mark.parametrize("peak", [0, -1e12, float("nan"), float("inf"), "989e12", True])
+def test_peak_must_be_a_positive_finite_number(peak):
+    # 0 silently gave mfu None, a negative peak a negative MFU.
+    with pytest.raises(ValueError, match="peak_flops_per_gpu"):
+        IntervalThroughput(1, peak_flops_per_gpu=peak)
