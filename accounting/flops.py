@@ -290,6 +290,13 @@ def training_flops(shape: ModelShape, stats: SeqlenStats, *, recompute: str | No
     (all but logits); `"selective"` adds the core-attention forward only (megatron's selective
     recomputation). Model FLOPs never include recomputation.
     """
+    if not isinstance(shape, ModelShape):
+        raise ValueError(f"training_flops: shape must be a ModelShape, got {type(shape).__name__}")
+    if not isinstance(stats, SeqlenStats):
+        raise ValueError(
+            f"training_flops: stats must be a SeqlenStats (from seqlen_stats or SeqlenStats.dense), "
+            f"got {type(stats).__name__}"
+        )
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute = {recompute!r}: expected one of {RECOMPUTE}")
     if shape.window_size is not None and stats.window != shape.window_size:

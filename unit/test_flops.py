@@ -403,6 +403,14 @@ def test_unknown_recompute_mode_is_refused():
         training_flops(shape, SeqlenStats.dense(1, 4), recompute="some")
 
 
+def test_arguments_of_the_wrong_kind_are_refused_naming_the_argument():
+    shape = ModelShape(num_layers=1, hidden_size=4, num_attention_heads=1, vocab_size=2)
+    with pytest.raises(ValueError, match=r"^training_flops: stats must be a SeqlenStats"):
+        training_flops(shape, torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match=r"^training_flops: shape must be a ModelShape, got dict"):
+        training_flops({"num_layers": 1}, SeqlenStats.dense(1, 4))
+
+
 def test_model_shape_resolves_megatron_defaults():
     shape = ModelShape(
         num_layers=2, hidden_size=64, num_attention_heads=8, vocab_size=100, moe_layer_freq=[1, 0]
