@@ -207,7 +207,8 @@ def seqlen_stats_vector(
     pack_len: int | None = None,
 ) -> torch.Tensor:
     """`seqlen_stats` as one int64 vector in `SeqlenStats.field_names()` order (few kernels, no sync)."""
-    real = _segment_lengths(_as_rows(cu_seqlens, "cu_seqlens"))
+    rows = _as_rows(cu_seqlens, "cu_seqlens")
+    real = _segment_lengths(rows)
     if cu_seqlens_padded is None:
         padded = real
     else:
@@ -215,6 +216,11 @@ def seqlen_stats_vector(
         if padded_rows.shape[0] != real.shape[0]:
             raise ValueError(
                 f"cu_seqlens_padded has {padded_rows.shape[0]} rows but cu_seqlens has {real.shape[0]}"
+            )
+        if padded_rows.shape != rows.shape:
+            raise ValueError(
+                f"cu_seqlens_padded has shape {list(cu_seqlens_padded.shape)} but cu_seqlens has shape "
+                f"{list(cu_seqlens.shape)}: they must describe the same segments"
             )
         padded = _segment_lengths(padded_rows).to(real.device)
     features = [(real > 0).to(torch.int64), real, real * real, padded, padded * padded]

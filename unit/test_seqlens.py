@@ -272,6 +272,13 @@ def test_stats_reject_what_the_metadata_shows_without_syncing():
         seqlen_stats(torch.tensor([0, 1]), pack_len=-1)
 
 
+def test_stats_reject_padded_boundaries_of_another_width_naming_both_shapes():
+    with pytest.raises(ValueError, match=r"cu_seqlens_padded has shape \[4\] but cu_seqlens has shape \[3\]"):
+        seqlen_stats(torch.tensor([0, 2, 4]), torch.tensor([0, 2, 4, 4]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_padded has 2 rows but cu_seqlens has 1"):
+        seqlen_stats(torch.tensor([[0, 2]]), torch.tensor([[0, 2], [0, 2]]))
+
+
 @pytest.mark.parametrize("window", [-2, (1, 2, 3), "4", (0.5, 0), True])
 def test_bad_window_sizes_are_rejected(window):
     with pytest.raises(ValueError, match="window_size"):
