@@ -64,12 +64,16 @@ def memory_report(device: torch.device | str | int | None = None) -> dict[str, i
     """Memory counters as ints: the CUDA caching allocator's, or the host process' RSS.
 
     CUDA: current and peak allocated, active, inactive-split and reserved bytes, allocation
-    retries and OOM count. CPU (or CUDA unavailable): `rss_bytes`, `peak_rss_bytes`.
+    retries and OOM count. CPU (the default without CUDA): `rss_bytes`, `peak_rss_bytes`;
+    asking for a CUDA device on a machine without CUDA raises ValueError.
     """
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            # torch.cuda.memory_stats would answer all zeros: a peak of 0 passes every budget.
+            raise ValueError(f"memory_report(device={str(device)!r}): CUDA is not available on this machine")
         stats = torch.cuda.memory_stats(device)
         return {name: int(stats.get(key, 0)) for key, name in _CUDA_KEYS.items()}
     current, peak = _host_rss_bytes()

@@ -31,6 +31,13 @@ def test_default_device_without_cuda_is_the_host():
     assert set(memory_report()) == {"rss_bytes", "peak_rss_bytes"}
 
 
+def test_asking_for_cuda_without_cuda_is_refused_not_answered_with_zeros():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA (see the gpu test)")
+    with pytest.raises(ValueError, match=r"memory_report\(device='cuda'\): CUDA is not available"):
+        memory_report("cuda")
+
+
 @pytest.mark.gpu
 def test_cuda_report_reads_the_caching_allocator():
     if not torch.cuda.is_available():
