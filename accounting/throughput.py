@@ -7,6 +7,7 @@ checkpointed counter on resume means the first interval after a restart is not a
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,10 @@ def _device_key(device_name: str) -> str:
     """Maps a `torch.cuda.get_device_name()` string to a table key ("NVIDIA H100 PCIe" -> "H100 PCIe")."""
     name = device_name.upper()
     for model in ("B200", "H200", "H100", "A100"):
-        if model in name:
+        # Not inside a longer model number ("RTX A1000" is not an A100).
+        if re.search(rf"(?<![0-9]){model}(?![0-9])", name):
+            if model in ("H100", "H200") and "NVL" in name:  # NVL parts peak below the SXM figures
+                break
             return f"{model} PCIe" if model == "H100" and "PCIE" in name else model
     raise ValueError(f"no peak FLOP/s known for device {device_name!r} (known: A100, H100, H200, B200)")
 

@@ -120,3 +120,10 @@ def test_peak_must_be_a_positive_finite_number(peak):
     # 0 silently gave mfu None, a negative peak a negative MFU.
     with pytest.raises(ValueError, match="peak_flops_per_gpu"):
         IntervalThroughput(1, peak_flops_per_gpu=peak)
+
+
+@pytest.mark.parametrize("device", ["NVIDIA RTX A1000 Laptop GPU", "NVIDIA H100 NVL", "NVIDIA H200 NVL"])
+def test_devices_the_table_does_not_describe_are_refused_not_matched_by_substring(device):
+    # "A1000" contains "A100"; the H100/H200 NVL run below the SXM peaks the table holds.
+    with pytest.raises(ValueError, match="no peak FLOP/s known for device"):
+        peak_flops(device, "bf16")
