@@ -8,16 +8,14 @@ leak guard must not touch the outer session.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+from fixtures.inner_session import run_inner_session
 
 pytestmark = pytest.mark.L0
 
@@ -155,39 +153,9 @@ def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ``runpytest_subprocess`` does by hand.
     """
     root = tmp_path_factory.mktemp("scenarios")
-    (root / "test_scenarios.py").write_text(SCENARIOS)
-    report_dir = root / "reports"
-    started = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-n",
-            "2",
-            "-p",
-            "no:cacheprovider",
-            "--kit-report",
-            str(report_dir),
-            "--junitxml",
-            str(report_dir / "junit.xml"),
-            "test_scenarios.py",
-        ],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return run_inner_session(
+        root, "test_scenarios.py", SCENARIOS, "-n", "2", f"--junitxml={root / 'reports' / 'junit.xml'}"
     )
-    output = proc.stdout + proc.stderr
-    report = json.loads((report_dir / "kit-report.json").read_text())
-    return {
-        "output": output,
-        "rc": proc.returncode,
-        "report": report,
-        "rows": {row["nodeid"].split("::")[-1]: row for row in report["tests"]},
-        "dir": report_dir,
-        "wall_s": time.monotonic() - started,
-    }
 
 
 def _failure(scenarios: dict[str, Any], name: str) -> dict[str, Any]:

@@ -21,15 +21,15 @@ test that keeps 96 MiB alive in a module global must show up as growth above the
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+from fixtures.inner_session import run_inner_session
 
 MiB = 2**20
 # Per-session bound on the pytest process' growth over rank tests, excluding the first rank test
@@ -144,34 +144,7 @@ def summary(report: dict[str, Any]) -> str:
 @pytest.fixture(scope="module")
 def inner(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run the inner session once (a subprocess: its leaks must not touch this session)."""
-    root = tmp_path_factory.mktemp("session")
-    (root / "test_inner.py").write_text(INNER)
-    report_dir = root / "reports"
-    started = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "--kit-report",
-            str(report_dir),
-            "test_inner.py",
-        ],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = json.loads((report_dir / "kit-report.json").read_text())
-    return {
-        "output": proc.stdout + proc.stderr,
-        "report": report,
-        "rows": {row["nodeid"].split("::")[-1]: row for row in report["tests"]},
-        "wall_s": time.monotonic() - started,
-        "root": root,
-    }
+    return run_inner_session(tmp_path_factory.mktemp("session"), "test_inner.py", INNER)
 
 
 @pytest.mark.L0
