@@ -1,14 +1,20 @@
 """Loads the kit's pytest plugin and selects the hypothesis profile.
 
 When the package is installed the `pytest11` entry point has already registered
-`fixtures.plugin` under that same name, so this line is then a no-op.
+`megatron_testkit.plugin` under that same name, so this line is then a no-op.
 """
 
 import os
 
 from hypothesis import HealthCheck, settings
 
-pytest_plugins = ["fixtures.plugin"]
+pytest_plugins = ["megatron_testkit.plugin"]
+
+# ---- this repo's own fixtures from fixtures/ modules (one import line each; keep this section) ----
+# They live here, not in the shipped plugin: `fixtures` is this repo's test support and not installed.
+from fixtures.megatron import use_cpu_shim  # noqa: E402, F401  (megatron-core on CPU, scoped to the test)
+
+# ---- end of exposed fixtures ----
 
 # `ci`: derandomised and bounded, so a red CI run replays identically; `dev`: more examples.
 settings.register_profile(

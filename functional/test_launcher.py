@@ -29,7 +29,7 @@ SCENARIOS = textwrap.dedent(
     import torch
     import torch.distributed as dist
 
-    from fixtures.ranks import run_ranks
+    from megatron_testkit.ranks import run_ranks
 
 
     def oom(rank, world_size):
@@ -283,8 +283,8 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
 
 def test_junit_failure_message_leads_with_rank_and_kind(scenarios: dict[str, Any]) -> None:
     junit = (scenarios["dir"] / "junit.xml").read_text()
-    assert 'message="fixtures.ranks.RankFailure: rank 1 oom: RuntimeError' in junit
-    assert 'message="fixtures.ranks.RankFailure: rank 1 crash: killed by SIGKILL' in junit
+    assert 'message="megatron_testkit.ranks.RankFailure: rank 1 oom: RuntimeError' in junit
+    assert 'message="megatron_testkit.ranks.RankFailure: rank 1 crash: killed by SIGKILL' in junit
 
 
 def test_failing_rank_output_is_shown_prefixed_by_rank(scenarios: dict[str, Any]) -> None:

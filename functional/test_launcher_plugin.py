@@ -189,7 +189,7 @@ def test_two_xdist_workers_run_rank_tests_at_once_without_colliding(pytester: py
         import json, os, time
         import torch
         import torch.distributed as dist
-        from fixtures.ranks import run_ranks
+        from megatron_testkit.ranks import run_ranks
 
         def pair(rank, world_size):
             start = time.time()
@@ -226,6 +226,6 @@ def test_plugin_import_stays_light() -> None:
     import subprocess
     import sys
 
-    code = "import sys, fixtures.plugin; print(sorted(m for m in ('torch', 'megatron', 'datasets') if m in sys.modules))"
+    code = "import sys, megatron_testkit.plugin; print(sorted(m for m in ('torch', 'megatron', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -47,7 +47,7 @@ INNER = textwrap.dedent(
     import torch
     import torch.distributed as dist
 
-    from fixtures.ranks import run_ranks
+    from megatron_testkit.ranks import run_ranks
 
     KEPT = []
 

@@ -1,0 +1,127 @@
+"""Which test is running, with what budget, and what its rank launches measured.
+
+`run_ranks` is a plain function: it must not need a fixture argument to know the test it serves.
+The plugin opens a `TestContext` around each test; `run_ranks` reads the budget and log root from
+it and appends one `RunSummary` per launch. Outside pytest (scripts, torchrun jobs) there is no
+context and the launcher falls back to ``PYTEST_CURRENT_TEST`` or the function's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_testkit.budgets import MemoryBudget
+
+
+@dataclass
+class RunSummary:
+    """What one `run_ranks` call measured, in the report's field names."""
+
+    world_size: int
+    backend: str
+    started: float
+    seed: int
+    duration_s: float
+    log_dir: str | None
+    ranks: list[dict[str, Any]]
+    failure: dict[str, Any] | None = None
+    leaked_processes: int = 0
+
+
+@dataclass
+class TestContext:
+    """The test being run: its id, budget, where rank logs go, and the launches so far."""
+
+    nodeid: str
+    budget: MemoryBudget | None = None
+    log_root: str | None = None
+    runs: list[RunSummary] = field(default_factory=list)
+
+
+# A stack, not one slot: pytester runs a test session inside a test.
+_contexts: list[TestContext] = []
+_log_root: str | None = None
+
+
+_scratch_root: str | None = None
+
+
+def set_scratch_root(path: str | None) -> None:
+    """Where launches without ``--kit-report`` put their directory (pytest's basetemp, which
+    pytest prunes itself); None means the system temp dir. Passing launches delete theirs."""
+    global _scratch_root
+    _scratch_root = path
+
+
+def scratch_root() -> str | None:
+    """The directory set by `set_scratch_root`, if any."""
+    return _scratch_root
+
+
+def set_log_root(path: str | None) -> None:
+    """Session-wide directory for rank logs (``--kit-report DIR`` gives ``DIR/logs``)."""
+    global _log_root
+    _log_root = path
+
+
+def log_root() -> str | None:
+    """The directory set by `set_log_root`, if any."""
+    return _log_root
+
+
+def begin_test(nodeid: str, budget: MemoryBudget | None) -> TestContext:
+    """Open the context for one test (called by the plugin before setup)."""
+    context = TestContext(nodeid=nodeid, budget=budget, log_root=_log_root)
+    _contexts.append(context)
+    return context
+
+
+def end_test() -> TestContext | None:
+    """Close and return the current context (called by the plugin after teardown)."""
+    return _contexts.pop() if _contexts else None
+
+
+def current() -> TestContext | None:
+    """The open context, or None outside a test run by the plugin."""
+    return _contexts[-1] if _contexts else None
+
+
+def current_test_id() -> str | None:
+    """The running test's node id, from the plugin or else from ``PYTEST_CURRENT_TEST``."""
+    if _contexts:
+        return _contexts[-1].nodeid
+    env = os.environ.get("PYTEST_CURRENT_TEST")
+    if env:
+        # "path::name (call)": drop the phase suffix so every phase gives the same id.
+        return env.rsplit(" (", 1)[0]
+    return None
+
+
+def record_run(summary: RunSummary) -> None:
+    """Attribute one launch to the current test (dropped outside a test)."""
+    if _contexts:
+        _contexts[-1].runs.append(summary)
+
+
+def seed_for(test_id: str) -> int:
+    """A deterministic 31-bit seed from a test id, so a rerun of the same id draws the same data.
+
+    ``KIT_SEED`` overrides it (the report's `seed` column, replayed by a repro command).
+    """
+    override = os.environ.get("KIT_SEED")
+    if override:
+        return int(override)
+    return int.from_bytes(hashlib.sha256(test_id.encode()).digest()[:4], "big") & 0x7FFFFFFF
+
+
+def sanitise(test_id: str, limit: int = 120) -> str:
+    """A file-system-safe directory name for a test id, unique even when truncated."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", test_id).strip("_.") or "test"
+    if len(name) > limit:
+        digest = hashlib.sha256(test_id.encode()).hexdigest()[:10]
+        name = f"{name[: limit - 11]}-{digest}"
+    return name

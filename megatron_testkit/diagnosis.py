@@ -1,0 +1,210 @@
+"""From what every rank left behind to one verdict: which rank, which kind, and why.
+
+Pure functions over `RankRecord`s, so the rules are unit-testable without spawning anything.
+The rules, in order:
+
+1. A rank that failed on its own (an exception that is not a knock-on, a signal, a non-zero exit
+   without a record) is a root-cause candidate; the earliest by time wins.
+2. A knock-on failure (a collective that failed because a peer went away: gloo's "Connection
+   closed by peer", NCCL's "communicator was aborted") is the root cause only when nothing else
+   failed; the dead peer is the story, not the survivor that noticed.
+3. When nothing failed before the timeout it is a hang; the rank that entered the fewest
+   collectives is named (the one the others wait for), the lowest rank on ties.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, field
+
+KINDS = ("oom", "error", "crash", "hang")
+
+_OOM_PATTERNS = re.compile(
+    r"out of memory|can't allocate memory|cannot allocate memory|not enough memory|"
+    r"memory budget exceeded|CUDA error: out of memory|OutOfMemoryError",
+    re.IGNORECASE,
+)
+_OOM_TYPES = {"MemoryError", "torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError"}
+_KNOCK_ON_PATTERNS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"communicator was aborted|NCCL communicator.*abort|ProcessGroup.*abort|"
+    r"peer.*(closed|died|exited)|Socket Timeout|Connection refused|"
+    r"Application timeout caused pair closure|DistNetworkError|ncclRemoteError",
+    re.IGNORECASE,
+)
+_WATCHDOG_PATTERNS = re.compile(
+    r"Watchdog caught collective operation timeout|collective operation timeout|"
+    r"ProcessGroupNCCL.*[Tt]imeout",
+)
+_TIMEOUT_PATTERNS = re.compile(
+    r"Watchdog caught collective operation timeout|collective operation timeout|"
+    r"Timed out waiting|timed out after",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class RankRecord:
+    """Everything known about one rank after a launch.
+
+    `status` is ``ok`` (returned), ``failed`` (exception, signal or non-zero exit), ``torn_down``
+    (still running when another rank's failure ended the launch) or ``hung`` (still running at
+    the timeout). Times are wall-clock seconds (`time.time()`), comparable across the ranks of a
+    host.
+    """
+
+    rank: int
+    status: str
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    time: float | None = None
+    exc_type: str | None = None
+    exc_message: str | None = None
+    traceback: str | None = None
+    kind_hint: str | None = None
+    peak_host_bytes: int | None = None
+    peak_device_bytes: int | None = None
+    last_collective: str | None = None
+    collective_seq: int = 0
+    stack: str | None = None
+    log_path: str | None = None
+    log_tail: str | None = None
+    kind: str | None = None
+    knock_on: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line: what this rank died of, e.g. ``RuntimeError: Connection closed by peer``."""
+        if self.exc_type:
+            text = (self.exc_message or "").strip().splitlines()
+            return f"{self.exc_type}: {text[0] if text else ''}".rstrip(": ")
+        if self.signal:
+            hint = " (possibly the kernel OOM killer)" if self.signal == "SIGKILL" else ""
+            return f"killed by {self.signal}{hint}"
+        if self.exit_code not in (None, 0):
+            return f"exited with code {self.exit_code} without a Python exception"
+        return self.status
+
+
+def signal_name(returncode: int | None) -> str | None:
+    """``-9`` -> ``"SIGKILL"`` (Popen's negative return codes), else None."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def classify(record: RankRecord) -> None:
+    """Set `kind` and `knock_on` on a failed record (others keep kind None)."""
+    if record.status == "hung":
+        record.kind = "hang"
+        return
+    if record.status != "failed":
+        return
+    text = f"{record.exc_type or ''}: {record.exc_message or ''}"
+    if record.exc_type is None:
+        # No Python exception: a signal or a bare exit. NCCL's watchdog aborts a rank whose
+        # collective timed out; its last output says so, and that is a hang, not a crash.
+        watchdog = record.log_tail and _WATCHDOG_PATTERNS.search(record.log_tail)
+        record.kind = "hang" if watchdog else "crash"
+    elif record.kind_hint == "oom" or record.exc_type in _OOM_TYPES or _OOM_PATTERNS.search(text):
+        record.kind = "oom"
+    elif _KNOCK_ON_PATTERNS.search(text):
+        record.kind = "error"
+        record.knock_on = True
+    elif _TIMEOUT_PATTERNS.search(text):
+        record.kind = "hang"
+    else:
+        record.kind = "error"
+
+
+def root_cause(records: list[RankRecord]) -> RankRecord | None:
+    """The rank to blame (rules in the module docstring), or None when every rank succeeded."""
+    for record in records:
+        classify(record)
+    failed = [r for r in records if r.status == "failed"]
+    primary = [r for r in failed if not r.knock_on] or failed
+    if primary:
+        first = min(primary, key=lambda r: (r.time if r.time is not None else float("inf"), r.rank))
+        if first.kind != "hang":
+            return first
+        # A collective timed out: the rank that timed out was waiting, the one it waited for is
+        # the story. Among the stuck ranks, blame the one that entered the fewest collectives.
+        stuck = [r for r in records if r.kind == "hang" or r.status in ("torn_down", "hung")]
+        laggard = min(stuck, key=lambda r: (r.collective_seq, r.rank))
+        laggard.kind = "hang"
+        laggard.extra.setdefault("timed_out_rank", first.rank)
+        return laggard
+    hung = [r for r in records if r.status == "hung"]
+    if hung:
+        return min(hung, key=lambda r: (r.collective_seq, r.rank))
+    return None
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.rstrip().splitlines())
+
+
+def format_failure(
+    root: RankRecord,
+    records: list[RankRecord],
+    *,
+    timeout: float | None = None,
+    log_dir: str | None = None,
+    started: float | None = None,
+) -> str:
+    """The `RankFailure` message: the root cause first, then the other ranks, then the logs."""
+    kind = root.kind or "error"
+    if kind == "hang" and root.status != "failed":
+        if "timed_out_rank" in root.extra:
+            why = f"a collective timed out on rank {root.extra['timed_out_rank']}"
+        else:
+            why = f"no rank finished within {timeout:g} s" if timeout is not None else "the launch timed out"
+        last = f", last {root.last_collective}" if root.last_collective else ", none yet"
+        first = (
+            f"rank {root.rank} hang: {why}; rank {root.rank} entered the fewest collectives "
+            f"({root.collective_seq}{last}); stacks of every rank below"
+        )
+    else:
+        first = f"rank {root.rank} {kind}: {root.summary()}"
+    lines = [first, ""]
+    when = f" at +{root.time - started:.2f} s" if root.time is not None and started is not None else ""
+    lines.append(f"Root cause: rank {root.rank} ({kind}){when}")
+    if root.last_collective:
+        lines.append(f"  last collective entered: {root.last_collective}")
+    if root.traceback:
+        lines.append(_indent(root.traceback, "  "))
+    if root.stack and (kind in ("hang", "crash") or not root.traceback):
+        lines.append(f"  Python stack of rank {root.rank} (faulthandler):")
+        lines.append(_indent(root.stack, "    "))
+    others = [r for r in records if r.rank != root.rank]
+    if others:
+        lines += ["", "Other ranks:"]
+    for rec in others:
+        if rec.status == "failed":
+            why = " (knock-on: a peer went away)" if rec.knock_on else ""
+            desc = f"{rec.kind}{why}: {rec.summary()}"
+        elif rec.status == "torn_down":
+            desc = "still running; torn down by the launcher after the root cause"
+        elif rec.status == "failed":
+            desc = f"{rec.kind}: {rec.summary()}"
+        elif rec.status == "hung":
+            desc = "hung (still running at the timeout)"
+        else:
+            desc = "finished"
+        if rec.last_collective:
+            desc += f"; last collective entered: {rec.last_collective}"
+        lines.append(f"  rank {rec.rank}: {desc}")
+        if rec.stack and (rec.status in ("hung", "torn_down") or rec.kind == "hang"):
+            lines.append(_indent(rec.stack, "      "))
+    if log_dir:
+        lines += ["", f"Rank logs: {log_dir}"]
+    for rec in [root, *others]:
+        if rec.log_tail and rec.log_tail.strip():
+            lines.append(f"--- rank {rec.rank} output (last lines) ---")
+            lines.append(_indent(rec.log_tail, f"[rank{rec.rank}] "))
+    return "\n".join(lines)

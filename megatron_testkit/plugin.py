@@ -1,0 +1,308 @@
+"""pytest plugin entry point: fixtures, marker handling and the session report.
+
+Loaded through the `pytest11` entry point (or the root conftest.py). Keep imports here light:
+torch, megatron and datasets are imported lazily inside the fixtures that need them.
+
+What it does for every test:
+
+- opens a `megatron_testkit.attribution` context (test id, ``memory_budget``), so a plain `run_ranks`
+  call is attributed to the test and enforces its budget;
+- skips ``gpu`` tests without CUDA and ``gpu`` + ``world_size(n)`` tests with fewer than n GPUs;
+- guards the shared session (`kit_leak_guard`, autouse): no child process and no initialised
+  default process group may outlive a test, and the pytest process' RSS growth is recorded;
+- attaches what it measured to the test's reports (``report.kit``), which xdist carries to the
+  controller, where `megatron_testkit.report` builds the session table and ``--kit-report DIR`` files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from megatron_testkit import attribution
+from megatron_testkit.budgets import MemoryBudget
+from megatron_testkit.report import ReportCollector, build_report, format_table, run_to_dict, write_report
+
+_MARKERS = (
+    "L0: runs on every pull request; must finish on a 2-core CPU-only runner",
+    "L1: the longer set: pushes to main and the needs-more-tests label",
+    "L2: nightly and manual dispatch",
+    "gpu: needs CUDA; skips with a reason without it",
+    "world_size(n): the number of ranks the test launches (skips when a GPU test needs more GPUs than exist)",
+    "memory_budget(host=None, device=None): per-rank peak limits, e.g. host='1.5GiB', device='4GiB'",
+)
+
+
+_SAVED_ROOTS = pytest.StashKey[tuple]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kit", "multi-rank test kit")
+    group.addoption(
+        "--kit-report",
+        metavar="DIR",
+        default=None,
+        help="write DIR/kit-report.json and DIR/kit-report.md (per-test rank peaks, budgets, "
+        "outcomes) and keep every rank's log under DIR/logs/<test>/rank<N>.log",
+    )
+
+
+class _KitSession:
+    """Per-session state on the process that reports (the controller under xdist)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.collector = ReportCollector()
+        self.started = time.time()
+        self.rss_start = _rss()
+        option = config.getoption("--kit-report")
+        self.report_dir = Path(config.invocation_params.dir, option).resolve() if option else None
+        self.report: dict[str, Any] | None = None
+
+    # Hooks: this object is registered as a plugin on the reporting process only.
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.collector.add(report)
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.collector.add(_CollectError(report))
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        self.report = build_report(self.session_header(), self.collector.rows_json())
+        if self.report_dir is not None:
+            write_report(self.report, self.report_dir)
+
+    def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+        if self.report is None:
+            return
+        if not any(row["world_size"] for row in self.report["tests"]) and self.report_dir is None:
+            return  # no ranks and no --kit-report: nothing worth a table
+        terminalreporter.write_sep("=", "kit report: ranks, peaks, budgets")
+        terminalreporter.write_line(format_table(self.report))
+        if self.report_dir is not None:
+            terminalreporter.write_line(f"kit report written to {self.report_dir}/kit-report.{{json,md}}")
+
+    def session_header(self) -> dict[str, Any]:
+        from megatron_testkit.ranks import cuda_device_count
+
+        try:
+            gpus = cuda_device_count()
+        except Exception:
+            gpus = 0
+        return {
+            "started": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
+            "duration_s": round(time.time() - self.started, 3),
+            "pytest_args": [str(a) for a in self.config.invocation_params.args],
+            "markexpr": self.config.getoption("markexpr", "") or "",
+            "host": socket.gethostname(),
+            "platform": platform.platform(),
+            "python": sys.version.split()[0],
+            "cpu_count": os.cpu_count(),
+            "gpus": gpus,
+            "torch": _torch_version(),
+            "pytest_rss_start_bytes": self.rss_start,
+            "pytest_rss_end_bytes": _rss(),
+        }
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _torch_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here too, so a repository that pip-installs the plugin gets them under
+    # --strict-markers without copying our pyproject.
+    for line in _MARKERS:
+        config.addinivalue_line("markers", line)
+    # Saved and restored: a pytester session run in-process must not redirect the outer one's logs.
+    config.stash[_SAVED_ROOTS] = (attribution.log_root(), attribution.scratch_root())
+    option = config.getoption("--kit-report", None)
+    if option:
+        logs = Path(config.invocation_params.dir, option).resolve() / "logs"
+        if not _is_xdist_worker(config):
+            shutil.rmtree(logs, ignore_errors=True)  # this session's logs only, not a stale mix
+        attribution.set_log_root(str(logs))
+    if not _is_xdist_worker(config):
+        config.pluginmanager.register(_KitSession(config), "kit-session-report")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    saved = config.stash.get(_SAVED_ROOTS, None)
+    if saved is not None:
+        attribution.set_log_root(saved[0])
+        attribution.set_scratch_root(saved[1])
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Launch directories of failed runs outside --kit-report go to pytest's basetemp, which
+    # pytest prunes (keeps the last few sessions), instead of piling up in /tmp.
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None:
+        with contextlib.suppress(Exception):
+            attribution.set_scratch_root(str(factory.getbasetemp() / "kit-ranks"))
+
+
+# ---- markers -------------------------------------------------------------------------------
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    mark = item.get_closest_marker("memory_budget")
+    context = attribution.current()
+    if mark is not None and context is not None:
+        context.budget = MemoryBudget.from_marker(mark)
+    if item.get_closest_marker("gpu") is None:
+        return
+    from megatron_testkit.ranks import cuda_device_count
+
+    gpus = cuda_device_count()
+    if gpus == 0:
+        pytest.skip("needs CUDA (marked gpu); no CUDA device is visible")
+    ws = item.get_closest_marker("world_size")
+    if ws is not None:
+        need = int(ws.args[0] if ws.args else ws.kwargs["n"])
+        if gpus < need:
+            pytest.skip(f"needs {need} GPUs (marked gpu, world_size({need})); {gpus} visible")
+
+
+# ---- attribution and per-test measurements -----------------------------------------------------
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    attribution.begin_test(item.nodeid, None)
+    item.stash[_RSS_BEFORE] = _rss()
+    try:
+        return (yield)
+    finally:
+        attribution.end_test()
+
+
+_RSS_BEFORE = pytest.StashKey[int]()
+_LEAKED = pytest.StashKey[int]()
+_SENT = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    report = yield
+    context = attribution.current()
+    kit: dict[str, Any] = {}
+    if context is not None:
+        sent = item.stash.get(_SENT, 0)
+        kit["runs"] = [run_to_dict(run) for run in context.runs[sent:]]
+        item.stash[_SENT] = len(context.runs)
+        if context.budget is not None:
+            kit["budget_host_bytes"] = context.budget.host_bytes
+            kit["budget_device_bytes"] = context.budget.device_bytes
+    if call.excinfo is not None:
+        from megatron_testkit.ranks import RankFailure
+
+        exc = call.excinfo.value
+        if isinstance(exc, RankFailure):
+            message = str(exc)
+            kit["failure"] = {
+                "rank": exc.rank,
+                "kind": exc.kind,
+                "first_line": message.splitlines()[0] if message else "",
+                "message": message[-20000:],
+            }
+    if call.when == "setup":
+        kit["pytest_rss_before_bytes"] = item.stash.get(_RSS_BEFORE, None)
+    if call.when == "teardown":
+        kit["pytest_rss_after_bytes"] = _rss()
+        kit["leaked_processes"] = item.stash.get(_LEAKED, 0)
+    kit["worker"] = os.environ.get("PYTEST_XDIST_WORKER")
+    report.kit = kit
+    return report
+
+
+# ---- the leak guard ------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def kit_leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves child processes or an initialised default process group behind.
+
+    Protects the shared session: the next test would otherwise inherit a process group (and its
+    sockets) or a stray rank using CPU and memory. Leaked processes are killed, the group is
+    destroyed, then the test errors in teardown saying what it left.
+    """
+    from megatron_testkit import proctree
+
+    # Baselines: what wider-scoped fixtures set up before this test is theirs, not a leak.
+    before = {p.pid for p in proctree.leaked_children()}
+    group_before = _default_group_initialised()
+    yield
+    problems = []
+    leaked = [p for p in proctree.leaked_children() if p.pid not in before]
+    if leaked:
+        problems.append(
+            f"{len(leaked)} child process(es) still alive after the test (killed): "
+            + "; ".join(proctree.describe(p) for p in leaked)
+        )
+        for proc in leaked:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(leaked, timeout=5)
+    request.node.stash[_LEAKED] = len(leaked)
+    if _default_group_initialised() and not group_before:
+        with contextlib.suppress(Exception):
+            sys.modules["torch.distributed"].destroy_process_group()
+        problems.append(
+            "the default torch.distributed process group was left initialised in the pytest "
+            "process (destroyed now): run multi-rank code through run_ranks, or destroy it"
+        )
+    if problems:
+        pytest.fail("kit leak guard: " + " | ".join(problems), pytrace=False)
+
+
+def _default_group_initialised() -> bool:
+    dist = sys.modules.get("torch.distributed")  # never import torch just to check
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+@pytest.fixture
+def rank_runner() -> Callable[..., list[Any]]:
+    """`megatron_testkit.ranks.run_ranks`, for tests that prefer a fixture to an import."""
+    from megatron_testkit.ranks import run_ranks
+
+    return run_ranks
+
+
+@pytest.fixture
+def memory_budget(request: pytest.FixtureRequest) -> MemoryBudget | None:
+    """The test's ``memory_budget`` marker as a `MemoryBudget` (None without the marker)."""
+    mark = request.node.get_closest_marker("memory_budget")
+    return MemoryBudget.from_marker(mark) if mark is not None else None
+
+
+# ---- the session report ----------------------------------------------------------------------
+class _CollectError:
+    """A failed collection as a report row (a module that fails to import is part of the story)."""
+
+    def __init__(self, report: pytest.CollectReport) -> None:
+        self.nodeid = report.nodeid or "<collection>"
+        self.when = "collect"
+        self.outcome = "failed"
+        self.duration = 0.0
+        self.longrepr = report.longrepr
+        self.longreprtext = report.longreprtext

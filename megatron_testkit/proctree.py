@@ -1,0 +1,104 @@
+"""Finding and ending the processes a rank leaves behind.
+
+Each rank starts in its own session, so its process group holds the rank and every helper it
+starts without a new session (dist_checkpointing's multiprocessing Manager and resource_tracker
+among them). Killing the group ends the lot, even after the rank itself has died and its helpers
+were re-parented. A snapshot of descendants taken while the rank lived catches helpers that left
+the group (daemons calling setsid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import psutil
+
+# The multiprocessing infrastructure processes are singletons reused for the whole session: they
+# are not leaks of a test, and killing them would break the next user of multiprocessing.
+_INFRASTRUCTURE = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every live descendant of ``pid`` (empty when it is gone)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if os.getpgid(proc.pid) == pgid:
+                members.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+def signal_group(pgid: int, signum: int) -> None:
+    """Send ``signum`` to a process group; a group that is already gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def kill_tree(pgids: list[int], extra: list[psutil.Process] = (), timeout: float = 5.0) -> int:
+    """SIGKILL the groups and the extra processes; wait until they are gone.
+
+    Returns how many processes other than the group leaders were still alive (helpers left
+    behind), which the report shows as ``leaked_processes``.
+    """
+    # Only processes still alive count: helpers sampled earlier (e.g. checkpoint writers that
+    # megatron forks and joins) may have exited cleanly before the rank did.
+    leftovers = {p.pid: p for pgid in pgids for p in group_members(pgid) if p.pid != pgid and _is_live(p)}
+    for proc in extra:
+        if proc.pid not in pgids and _is_live(proc):
+            leftovers.setdefault(proc.pid, proc)
+    for pgid in pgids:
+        signal_group(pgid, signal.SIGKILL)
+    for proc in leftovers.values():
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    deadline = time.monotonic() + timeout
+    alive = list(leftovers.values())
+    while alive and time.monotonic() < deadline:
+        _gone, alive = psutil.wait_procs(alive, timeout=0.1)
+        alive = [p for p in alive if _is_live(p)]
+    return len(leftovers)
+
+
+def _is_live(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_infrastructure(proc: psutil.Process) -> bool:
+    """True for multiprocessing's session-wide helpers (resource_tracker, forkserver)."""
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+    return any(name in cmdline for name in _INFRASTRUCTURE)
+
+
+def leaked_children(pid: int | None = None) -> list[psutil.Process]:
+    """Live descendants of ``pid`` (default: this process), multiprocessing helpers excepted."""
+    procs = descendants(os.getpid() if pid is None else pid)
+    return [p for p in procs if _is_live(p) and not is_infrastructure(p)]
+
+
+def describe(proc: psutil.Process) -> str:
+    """``"pid 123: python -m foo"`` for messages."""
+    try:
+        return f"pid {proc.pid}: {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {proc.pid}: (gone)"

@@ -1,0 +1,305 @@
+"""The inside of one rank: set up, run the test's function, leave a record, exit.
+
+Started by `megatron_testkit.ranks` as ``python -c <bootstrap>`` in its own session, with stdout and
+stderr going to the rank's log file. Whatever happens it leaves ``rank<N>.json`` (the record the
+parent diagnoses) unless the process is killed outright; the parent then reads the exit signal.
+Faulthandler writes Python stacks to ``rank<N>.stacks`` on a fatal signal and on SIGUSR1, which the
+parent sends before it kills a hung or surviving rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import json
+import os
+import pickle
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# Exit code of a rank stopped by its host memory budget (its record says so).
+BUDGET_EXIT = 86
+
+
+def peak_rss_bytes() -> int:
+    """The kernel's high-water mark of this process' resident set (VmHWM), exact, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    """Resident set size now, from /proc/self/statm (cheap enough to sample every 20 ms)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_device_bytes() -> int | None:
+    """Peak CUDA memory allocated by this process, or None when CUDA was never initialised."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.max_memory_allocated())
+
+
+class _Rank:
+    """State of this rank: its files, last collective and memory watchdog."""
+
+    def __init__(self, spec: dict[str, Any], rank: int) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.run_dir = Path(spec["run_dir"])
+        self.started = time.time()
+        self.lock = threading.Lock()
+        self.collective_seq = 0
+        self.last_collective: str | None = None
+        self.state_fd = os.open(self.run_dir / f"rank{rank}.state", os.O_WRONLY | os.O_CREAT, 0o644)
+        self.stacks = open(self.run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 (lives until exit)
+        self.record_written = False
+
+    # -- records -----------------------------------------------------------------------------
+    def write_record(self, status: str, **fields: Any) -> None:
+        """Write rank<N>.json atomically (once), so the parent never reads half a record."""
+        with self.lock:
+            if self.record_written:
+                return
+            self.record_written = True
+            record = {
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "status": status,
+                "started": self.started,
+                "time": time.time(),
+                "peak_host_bytes": peak_rss_bytes(),
+                "peak_device_bytes": peak_device_bytes(),
+                "last_collective": self.last_collective,
+                "collective_seq": self.collective_seq,
+                **fields,
+            }
+            tmp = self.run_dir / f"rank{self.rank}.json.tmp"
+            tmp.write_text(json.dumps(record, default=str))
+            os.replace(tmp, self.run_dir / f"rank{self.rank}.json")
+
+    def fail(self, exc: BaseException, kind_hint: str | None = None, message: str | None = None) -> None:
+        """Record an exception with its traceback, echo it to the log, and exit at once.
+
+        No destroy_process_group: with collectives still queued it can deadlock (PyTorch's test
+        harness skips it after errors for the same reason). Exiting closes the sockets, so the
+        peers fail fast instead of waiting for a timeout.
+        """
+        tb_obj = exc.__traceback__
+        # Start the traceback at the test's function: the launcher's own frame is noise.
+        if tb_obj is not None and tb_obj.tb_frame.f_code.co_filename == __file__ and tb_obj.tb_next:
+            tb_obj = tb_obj.tb_next
+        tb = "".join(traceback.format_exception(type(exc), exc, tb_obj))
+        sys.stderr.write(tb)
+        self.write_record(
+            "failed",
+            exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+            exc_message=message or str(exc),
+            traceback=tb,
+            kind_hint=kind_hint,
+        )
+        _flush_and_exit(1)
+
+    # -- collectives -------------------------------------------------------------------------
+    def entered(self, name: str) -> None:
+        """Note the collective just entered (in the record and in rank<N>.state for crashes)."""
+        with self.lock:
+            self.collective_seq += 1
+            self.last_collective = f"{name} #{self.collective_seq}"
+            line = json.dumps({"last_collective": self.last_collective, "seq": self.collective_seq})
+            with contextlib.suppress(OSError):
+                os.pwrite(self.state_fd, line.ljust(255).encode()[:255] + b"\n", 0)
+
+    def track_collectives(self) -> None:
+        """Wrap torch.distributed's collectives to remember the last one entered.
+
+        Both ``torch.distributed`` and ``distributed_c10d`` are patched before the test module is
+        imported, so ``from torch.distributed import all_reduce`` in it sees the wrapper too. The
+        counter keeps no call list (it lives as long as the rank) and is never uninstalled.
+        """
+        from megatron_testkit.collectives import CollectiveCounter
+
+        CollectiveCounter(on_enter=self.entered, record=False).install()
+
+    # -- memory ------------------------------------------------------------------------------
+    def watch_host_memory(self, budget: int, interval: float = 0.02) -> None:
+        """Stop the rank as `oom` when its RSS crosses the host budget.
+
+        A sampled RSS watchdog rather than a resource limit: RLIMIT_AS counts virtual
+        reservations (CUDA and allocator arenas reserve far more than they touch) and RLIMIT_DATA
+        counts private writable mappings, which include untouched thread stacks and malloc arenas;
+        both would fail ranks for memory they never used, and neither measures what the budget
+        states (resident memory). The watchdog can miss a spike shorter than its interval; the
+        exact high-water mark (VmHWM) is checked again after the function returns.
+        """
+
+        def watch() -> None:
+            while True:
+                rss = current_rss_bytes()
+                if rss > budget:
+                    faulthandler.dump_traceback(file=self.stacks, all_threads=True)
+                    self.stacks.flush()
+                    message = (
+                        f"host memory budget exceeded: RSS {_fmt(rss)} > budget {_fmt(budget)} "
+                        f"(stopped by the kit's RSS watchdog)"
+                    )
+                    sys.stderr.write(f"rank {self.rank}: {message}\n")
+                    self.write_record(
+                        "failed",
+                        exc_type="fixtures.MemoryBudgetExceeded",
+                        exc_message=message,
+                        traceback=_main_thread_stack(),
+                        kind_hint="oom",
+                        budget_exceeded="host",
+                    )
+                    _flush_and_exit(BUDGET_EXIT)
+                time.sleep(interval)
+
+        threading.Thread(target=watch, name="kit-rss-watchdog", daemon=True).start()
+
+
+def _main_thread_stack() -> str:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return "".join(traceback.format_stack(frame)) if frame is not None else ""
+
+
+def _fmt(size: int) -> str:
+    from megatron_testkit.budgets import format_size
+
+    return format_size(size)
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    # os._exit: atexit handlers (multiprocessing Managers, NCCL teardown) can hang a failing rank.
+    os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this rank if the launching process dies (Linux only)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    import torch
+
+    torch.manual_seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+
+
+def _classify_exception(exc: BaseException) -> str | None:
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__}
+    if "torch.OutOfMemoryError" in names or isinstance(exc, MemoryError):
+        return "oom"
+    return None
+
+
+def _device_cap(budget_device: int | None) -> int | None:
+    """The CUDA memory a rank may use: its budget, capped by the emulated CI card if one is set."""
+    from megatron_testkit.budgets import parse_size
+
+    card = os.environ.get("KIT_DEVICE_MEMORY")
+    caps = [c for c in (budget_device, parse_size(card) if card else None) if c]
+    return min(caps) if caps else None
+
+
+def run(spec: dict[str, Any], rank: int) -> None:
+    """Run ``fn(rank, world_size, *args)`` for this rank and exit; never returns."""
+    state = _Rank(spec, rank)
+    faulthandler.enable(file=state.stacks, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=state.stacks, all_threads=True, chain=False)
+    world_size = spec["world_size"]
+    budget_host = spec.get("budget_host_bytes")
+    budget_device = spec.get("budget_device_bytes")
+    if budget_host:
+        state.watch_host_memory(budget_host)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(spec["threads"])
+        _seed_everything(spec["seed"] + rank)
+        if spec.get("track_collectives", True):
+            state.track_collectives()
+        if spec.get("main_module"):
+            # The function lives in a `python -m` script: import it under its name and let
+            # `__main__.fn` resolve there (its `if __name__ == "__main__"` block stays unrun).
+            import importlib
+
+            sys.modules["__main__"] = importlib.import_module(spec["main_module"])
+        with open(spec["payload"], "rb") as f:
+            fn, args = pickle.load(f)
+        backend = spec["backend"]
+        # KIT_DEVICE_MEMORY is the CI card's memory (set by the GPU job rows of ci/jobs.py): a
+        # bigger local GPU is capped to it even for tests without a device budget.
+        device_cap = _device_cap(budget_device)
+        if backend == "nccl" or (device_cap and torch.cuda.is_available()):
+            # One device per rank; the fraction makes a big GPU behave like the CI one (the
+            # allocator raises OutOfMemoryError past it) and is set before anything allocates.
+            local = rank % max(1, torch.cuda.device_count())
+            torch.cuda.set_device(local)
+            if device_cap:
+                total = torch.cuda.get_device_properties(local).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, device_cap / total), local)
+        from datetime import timedelta
+
+        store = dist.FileStore(spec["store"], world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=spec["pg_timeout_s"]),
+        )
+        result = fn(rank, world_size, *args)
+    except BaseException as exc:
+        state.fail(exc, _classify_exception(exc))
+        return
+    try:
+        peak_host, peak_device = peak_rss_bytes(), peak_device_bytes()
+        if budget_host and peak_host > budget_host:
+            raise MemoryError(
+                f"host memory budget exceeded: peak RSS {_fmt(peak_host)} > budget {_fmt(budget_host)}"
+            )
+        if budget_device and peak_device is not None and peak_device > budget_device:
+            raise MemoryError(
+                f"device memory budget exceeded: peak allocated {_fmt(peak_device)} > budget {_fmt(budget_device)}"
+            )
+        with open(state.run_dir / f"rank{rank}.result", "wb") as f:
+            pickle.dump(result, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException as exc:
+        state.fail(exc, "oom" if isinstance(exc, MemoryError) else None)
+        return
+    state.write_record("ok")
+    _flush_and_exit(0)
+
+
+def main() -> None:
+    """Entry point: ``main()`` with ``KIT_RANK_SPEC`` and ``RANK`` in the environment."""
+    _die_with_parent()
+    with open(os.environ["KIT_RANK_SPEC"]) as f:
+        spec = json.load(f)
+    run(spec, int(os.environ["RANK"]))

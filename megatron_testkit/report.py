@@ -1,0 +1,285 @@
+"""The session report: one row per test, with its ranks' figures, as a table, JSON and Markdown.
+
+`ReportCollector` folds pytest's per-phase reports (local, or sent over by xdist workers) into
+rows; `build_report` adds the session header; the `format_*`/`write_report` functions render it.
+Nothing here imports pytest or torch, so it is cheap and unit-testable with plain objects.
+
+The JSON field names are a contract (``python -m ci repro --from-report`` reads them); version 1:
+``{"version", "session": {...}, "tests": [{"nodeid", "outcome", "duration_s", "world_size",
+"backend", "seed", "budget_host_bytes", "budget_device_bytes", "peak_host_bytes",
+"peak_device_bytes", "ranks": [...], "failure", "pytest_rss_before_bytes",
+"pytest_rss_after_bytes", "leaked_processes", "log_dir"}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_testkit.budgets import format_size
+
+REPORT_VERSION = 1
+OUTCOMES = ("passed", "failed", "skipped", "error")
+
+
+@dataclass
+class TestRow:
+    """One test's row; `runs` holds every `run_ranks` launch it made (as dicts)."""
+
+    nodeid: str
+    outcome: str = "passed"
+    duration_s: float = 0.0
+    budget_host_bytes: int | None = None
+    budget_device_bytes: int | None = None
+    failure: dict[str, Any] | None = None
+    pytest_rss_before_bytes: int | None = None
+    pytest_rss_after_bytes: int | None = None
+    leaked_processes: int = 0
+    worker: str | None = None
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The row in the report's schema (runs folded into per-test and per-rank maxima)."""
+        ranks: dict[int, dict[str, Any]] = {}
+        for run in self.runs:
+            for r in run["ranks"]:
+                row = ranks.setdefault(
+                    r["rank"], {"rank": r["rank"], "peak_host_bytes": None, "peak_device_bytes": None}
+                )
+                for key in ("peak_host_bytes", "peak_device_bytes"):
+                    row[key] = _max(row[key], r.get(key))
+                row["exit_code"], row["signal"] = r.get("exit_code"), r.get("signal")
+        last = self.runs[-1] if self.runs else None
+        log_dirs = [run["log_dir"] for run in self.runs if run.get("log_dir")]
+        return {
+            "nodeid": self.nodeid,
+            "outcome": self.outcome,
+            "duration_s": round(self.duration_s, 4),
+            "world_size": max((run["world_size"] for run in self.runs), default=0),
+            "backend": last["backend"] if last else None,
+            "seed": last["seed"] if last else None,
+            "budget_host_bytes": self.budget_host_bytes,
+            "budget_device_bytes": self.budget_device_bytes,
+            "peak_host_bytes": _max_of(r["peak_host_bytes"] for r in ranks.values()),
+            "peak_device_bytes": _max_of(r["peak_device_bytes"] for r in ranks.values()),
+            "ranks": [ranks[k] for k in sorted(ranks)],
+            "failure": self.failure,
+            "pytest_rss_before_bytes": self.pytest_rss_before_bytes,
+            "pytest_rss_after_bytes": self.pytest_rss_after_bytes,
+            "leaked_processes": self.leaked_processes
+            + sum(run.get("leaked_processes", 0) for run in self.runs),
+            "log_dir": log_dirs[0] if log_dirs else None,
+            "launches": len(self.runs),
+            "worker": self.worker,
+        }
+
+
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _max_of(values: Any) -> int | None:
+    out = None
+    for v in values:
+        out = _max(out, v)
+    return out
+
+
+class ReportCollector:
+    """Folds pytest's setup/call/teardown reports into `TestRow`s, in the order tests ran.
+
+    Reads only plain attributes (``nodeid``, ``when``, ``outcome``, ``duration``, ``longrepr``)
+    and the ``kit`` dict the plugin attaches, which xdist carries from workers unchanged.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, TestRow] = {}
+
+    def add(self, report: Any) -> None:
+        """Take one phase's report."""
+        row = self.rows.setdefault(report.nodeid, TestRow(report.nodeid))
+        row.duration_s += float(getattr(report, "duration", 0.0) or 0.0)
+        kit = getattr(report, "kit", None) or {}
+        row.runs.extend(kit.get("runs", []))
+        for key in ("budget_host_bytes", "budget_device_bytes"):
+            if kit.get(key) is not None:
+                setattr(row, key, kit[key])
+        if "pytest_rss_before_bytes" in kit:
+            row.pytest_rss_before_bytes = kit["pytest_rss_before_bytes"]
+        if "pytest_rss_after_bytes" in kit:
+            row.pytest_rss_after_bytes = kit["pytest_rss_after_bytes"]
+        row.leaked_processes += int(kit.get("leaked_processes", 0))
+        row.worker = kit.get("worker") or row.worker
+        outcome = _phase_outcome(report)
+        if outcome in ("failed", "error") and row.outcome not in ("failed", "error"):
+            row.failure = kit.get("failure") or _failure_from_longrepr(report)
+        row.outcome = _combine(row.outcome, outcome)
+
+    def rows_json(self) -> list[dict[str, Any]]:
+        """Every row in the report's schema."""
+        return [row.to_json() for row in self.rows.values()]
+
+
+def _phase_outcome(report: Any) -> str:
+    when, outcome = getattr(report, "when", "call"), report.outcome
+    if outcome == "failed":
+        return "failed" if when == "call" else "error"
+    if outcome == "skipped":
+        # An xfail shows as skipped in pytest's own counts; keep that.
+        return "skipped"
+    return "passed"
+
+
+def _combine(current: str, new: str) -> str:
+    rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+    if current == "failed" and new == "error":
+        return "failed"  # a test that failed and then errored in teardown reads as failed
+    return new if rank[new] > rank[current] else current
+
+
+def _failure_from_longrepr(report: Any) -> dict[str, Any]:
+    message = str(getattr(report, "longreprtext", "") or getattr(report, "longrepr", "") or "")
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    first = getattr(crash, "message", None) or (message.strip().splitlines() or [""])[-1]
+    return {
+        "rank": None,
+        "kind": None,
+        "first_line": first.splitlines()[0] if first else "",
+        "message": message[-20000:],
+    }
+
+
+def build_report(session: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole report: header (with outcome counts filled in from the rows) and rows."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    for row in rows:
+        counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
+    return {"version": REPORT_VERSION, "session": {**session, "outcome_counts": counts}, "tests": rows}
+
+
+def rss_growth_line(report: dict[str, Any]) -> str:
+    """``pytest RSS grew X MiB across N rank tests`` (summed over the tests that ran ranks)."""
+    grown, n = 0, 0
+    for row in report["tests"]:
+        if row["world_size"] and row["pytest_rss_before_bytes"] is not None and row["pytest_rss_after_bytes"]:
+            grown += row["pytest_rss_after_bytes"] - row["pytest_rss_before_bytes"]
+            n += 1
+    return f"pytest RSS grew {grown / 2**20:.1f} MiB across {n} rank tests"
+
+
+_COLUMNS = ("test", "world", "backend", "time", "peak host", "peak device", "budget", "outcome")
+
+
+def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The printed rows: tests that launched ranks or declared a budget (others are counted)."""
+    out = []
+    for row in report["tests"]:
+        if not row["world_size"] and row["budget_host_bytes"] is None and row["budget_device_bytes"] is None:
+            continue
+        budget = ", ".join(
+            f"{side} {format_size(row[f'budget_{side}_bytes'])}"
+            for side in ("host", "device")
+            if row[f"budget_{side}_bytes"] is not None
+        )
+        outcome = row["outcome"]
+        if row["failure"] and row["failure"].get("kind"):
+            outcome += f" (rank {row['failure']['rank']} {row['failure']['kind']})"
+        out.append(
+            (
+                row["nodeid"],
+                str(row["world_size"] or "-"),
+                row["backend"] or "-",
+                f"{row['duration_s']:.1f}s",
+                format_size(row["peak_host_bytes"]),
+                format_size(row["peak_device_bytes"]),
+                budget or "-",
+                outcome,
+            )
+        )
+    return out
+
+
+def _footer(report: dict[str, Any]) -> list[str]:
+    counts = report["session"]["outcome_counts"]
+    shown = len(table_rows(report))
+    rest = len(report["tests"]) - shown
+    lines = [
+        ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no tests",
+        f"{rest} tests ran no ranks (listed in kit-report.json)" if rest else "",
+        rss_growth_line(report),
+    ]
+    leaked = sum(row["leaked_processes"] for row in report["tests"])
+    if leaked:
+        lines.append(f"{leaked} leaked processes were killed (see leaked_processes per test)")
+    return [line for line in lines if line]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Plain-text table for the terminal summary."""
+    rows = table_rows(report)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(_COLUMNS)]
+    widths[0] = min(widths[0], 80)
+
+    def line(cells: tuple[str, ...]) -> str:
+        cells = (_clip(cells[0], widths[0]), *cells[1:])
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    out = [line(_COLUMNS), line(tuple("-" * w for w in widths))]
+    out += [line(r) for r in rows]
+    return "\n".join([*out, "", *_footer(report)])
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else "..." + text[-(width - 3) :]
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """GitHub-flavoured Markdown: the same table, then failures with their first lines."""
+    session = report["session"]
+    lines = [
+        "## Kit report",
+        "",
+        f"{session.get('host', '?')}, {session.get('cpu_count', '?')} CPUs, {session.get('gpus', 0)} GPUs, "
+        f"torch {session.get('torch') or '-'}, {session.get('duration_s', 0):.1f} s, `-m {session.get('markexpr') or '(all)'}`",
+        "",
+        "| " + " | ".join(_COLUMNS) + " |",
+        "|" + "|".join("---" for _ in _COLUMNS) + "|",
+    ]
+    for row in table_rows(report):
+        lines.append("| " + " | ".join(_md(c) for c in row) + " |")
+    lines += ["", *(f"- {line}" for line in _footer(report))]
+    failures = [row for row in report["tests"] if row["failure"]]
+    if failures:
+        lines += ["", "### Failures", ""]
+        for row in failures:
+            lines.append(f"- `{row['nodeid']}`: {_md(row['failure'].get('first_line') or '')}")
+            if row["log_dir"]:
+                lines.append(f"  rank logs: `{row['log_dir']}`")
+    return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def write_report(report: dict[str, Any], directory: str | os.PathLike) -> tuple[Path, Path]:
+    """Write ``kit-report.json`` and ``kit-report.md``; append the Markdown to the step summary."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / "kit-report.json", out / "kit-report.md"
+    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    markdown = format_markdown(report)
+    md_path.write_text(markdown)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        with open(summary, "a") as f:
+            f.write(markdown)
+    return json_path, md_path
+
+
+def run_to_dict(run: Any) -> dict[str, Any]:
+    """A `RunSummary` as the plain dict xdist can carry."""
+    return asdict(run)

@@ -1,0 +1,98 @@
+"""`run_ranks` inside a torchrun job: run on this rank, in this process, with the job's group.
+
+torchrun has already started one process per rank and handles tearing the job down, so nothing is
+spawned here. The default process group is created from the environment (``env://``) unless the
+job already has one; every rank gets every rank's return value, as with the spawning launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def run_in_torchrun(
+    fn: Callable[..., Any], world_size: int, *, backend: str = "auto", args: Sequence[Any] = ()
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on this torchrun rank and all-gather the results."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_testkit.diagnosis import RankRecord, format_failure, root_cause
+    from megatron_testkit.ranks import RankFailure
+
+    rank, job_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if job_size != world_size:
+        raise ValueError(
+            f"run_ranks(world_size={world_size}) inside a torchrun job of WORLD_SIZE={job_size}: "
+            f"launch the job with --nproc-per-node/--nnodes giving {world_size} ranks"
+        )
+    started = time.time()
+    created = not dist.is_initialized()
+    if created:
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException as exc:
+        record = RankRecord(
+            rank=rank,
+            status="failed",
+            time=time.time(),
+            exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+            exc_message=str(exc),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+        root = root_cause([record])
+        assert root is not None
+        raise RankFailure(
+            format_failure(root, [record]),
+            rank=rank,
+            kind=root.kind or "error",
+            records=[record],
+            log_dir=None,
+        ) from exc
+    results: list[Any] = [None] * world_size
+    dist.all_gather_object(results, result)
+    if created:
+        dist.destroy_process_group()
+    _record(
+        world_size, backend if created else dist.get_backend() if dist.is_initialized() else backend, started
+    )
+    return results
+
+
+def _record(world_size: int, backend: str, started: float) -> None:
+    """Attribute the launch to the running test; only this rank's figures are known here."""
+    import torch
+
+    from megatron_testkit import attribution
+    from megatron_testkit.rank_worker import peak_device_bytes, peak_rss_bytes
+
+    test_id = attribution.current_test_id() or "torchrun"
+    rank = int(os.environ["RANK"])
+    attribution.record_run(
+        attribution.RunSummary(
+            world_size=world_size,
+            backend=f"{backend} (torchrun)",
+            started=started,
+            seed=attribution.seed_for(test_id),
+            duration_s=time.time() - started,
+            log_dir=None,
+            ranks=[
+                {
+                    "rank": rank,
+                    "peak_host_bytes": peak_rss_bytes(),
+                    "peak_device_bytes": peak_device_bytes() if torch.cuda.is_available() else None,
+                    "exit_code": None,
+                    "signal": None,
+                }
+            ],
+        )
+    )
