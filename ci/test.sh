@@ -19,8 +19,8 @@ rc=$?
 set -e
 if [ "$rc" -eq 0 ] && [ -f reports/kit-report.json ]; then
   # The shared session stays leak-free: no process outlived its test, and the pytest process
-  # did not grow across the rank tests beyond the bounds stated in functional/test_session_leaks.py.
-  "$py" -m functional.test_session_leaks reports/kit-report.json || rc=1
+  # did not grow across the rank tests beyond the bounds in megatron_testkit/session_check.py.
+  "$py" -m megatron_testkit.session_check reports/kit-report.json || rc=1
 fi
 if [ "$rc" -eq 5 ]; then
   echo "ci/test.sh: pytest collected no tests for '$tier': that is a failure here" >&2

@@ -1,7 +1,7 @@
 """Reads a kit report (`reports/kit-report.json`) and states, per failed test, what went wrong.
 
-The report is written by the plugin (`fixtures/report.py`); its field names are agreed in the CI
-issue. A verdict is the line a developer needs first: which test, which rank, `oom | error |
+The report is written by the kit's plugin; its schema (field names, `REPORT_VERSION`) is defined
+once, typed, in `megatron_testkit.schema`, and read here through it. A verdict is the line a developer needs first: which test, which rank, `oom | error |
 crash | hang`, the first error line, and the peak memory against the budget. Reading is strict
 about what it needs (a report that cannot be used is a `ReportError` with one line saying why) and
 lenient about the rest (missing optional fields print as "-").
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fixtures.budgets import format_size
+from megatron_testkit.budgets import format_size
+from megatron_testkit.schema import Report, SchemaError, TestEntry
 
-REPORT_VERSION = 1
 FAILED = ("failed", "error")
 
 
@@ -36,17 +36,12 @@ def load_report(path: Path | str) -> dict[str, Any]:
         report = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
-    if not isinstance(report, dict) or report.get("version") != REPORT_VERSION:
-        found = report.get("version") if isinstance(report, dict) else type(report).__name__
-        raise ReportError(f"{path} is not a version-{REPORT_VERSION} kit report (version: {found!r})")
-    tests = report.get("tests")
-    if not isinstance(tests, list):
-        raise ReportError(f"{path} has no 'tests' list")
-    for index, test in enumerate(tests):
-        if not isinstance(test, dict) or not isinstance(test.get("nodeid"), str) or "outcome" not in test:
-            raise ReportError(f"{path}: tests[{index}] has no 'nodeid' and 'outcome'")
-    if not isinstance(report.get("session", {}), dict):
-        raise ReportError(f"{path}: 'session' is not an object")
+    try:
+        Report.from_json(report)
+    except SchemaError as exc:
+        if str(exc).startswith("not a version"):
+            raise ReportError(f"{path} is {exc}") from None
+        raise ReportError(f"{path}: {exc}") from None
     return report
 
 
@@ -137,39 +132,38 @@ def verdict(test: dict[str, Any], junit: dict[tuple[str, str], str] | None = Non
 
     Without a rank failure, the first line comes from `junit` (see `junit_first_lines`).
     """
-    failure = test.get("failure") if isinstance(test.get("failure"), dict) else None
-    rank = _int(failure.get("rank")) if failure else None
-    peak_host, peak_device = _int(test.get("peak_host_bytes")), _int(test.get("peak_device_bytes"))
-    for row in test.get("ranks") or []:
-        if isinstance(row, dict) and rank is not None and row.get("rank") == rank:
-            peak_host = _int(row.get("peak_host_bytes")) or peak_host
-            peak_device = _int(row.get("peak_device_bytes")) or peak_device
+    entry = TestEntry.from_json(test)
+    failure = entry.failure
+    rank = failure.rank if failure else None
+    peak_host, peak_device = entry.peak_host_bytes, entry.peak_device_bytes
+    for row in entry.ranks:
+        if rank is not None and row.rank == rank:
+            peak_host = _int(row.peak_host_bytes) or peak_host
+            peak_device = _int(row.peak_device_bytes) or peak_device
     first_line = ""
     if failure:
-        first_line = str(failure.get("first_line") or "").strip()
+        first_line = failure.first_line.strip()
         if not first_line:
-            first_line = next(
-                (ln.strip() for ln in str(failure.get("message") or "").splitlines() if ln.strip()), ""
-            )
-    if not first_line and junit and test["outcome"] in FAILED:
-        first_line = junit.get(junit_key(test["nodeid"]), "")
-    kind = str(failure["kind"]) if failure and failure.get("kind") else None
+            first_line = next((ln.strip() for ln in failure.message.splitlines() if ln.strip()), "")
+    if not first_line and junit and entry.outcome in FAILED:
+        first_line = junit.get(junit_key(entry.nodeid), "")
+    kind = failure.kind if failure else None
     # The launcher's first line repeats the cause ("rank 1 oom: ..."), which the verdict states already.
     prefix = f"rank {rank} {kind}: "
     if first_line.startswith(prefix):
         first_line = first_line[len(prefix) :]
     return Verdict(
-        nodeid=test["nodeid"],
-        outcome=str(test["outcome"]),
+        nodeid=entry.nodeid,
+        outcome=entry.outcome,
         rank=rank,
         kind=kind,
         first_line=first_line,
         peak_host=peak_host,
-        budget_host=_int(test.get("budget_host_bytes")),
+        budget_host=entry.budget_host_bytes,
         peak_device=peak_device,
-        budget_device=_int(test.get("budget_device_bytes")),
+        budget_device=entry.budget_device_bytes,
         world_size=_int(test.get("world_size")),
-        seed=_int(test.get("seed")),
+        seed=entry.seed,
     )
 
 

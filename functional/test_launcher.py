@@ -141,6 +141,25 @@ SCENARIOS = textwrap.dedent(
 
     def test_without_ranks():
         assert 1 + 1 == 2
+
+
+    def noop(rank, world_size):
+        return rank
+
+
+    def test_budget_below_the_startup_footprint(monkeypatch):
+        import megatron_testkit.ranks as ranks
+        from megatron_testkit.budgets import MemoryBudget
+
+        monkeypatch.setattr(ranks, "_idle_footprint", None)  # as in a fresh worker: nothing known yet
+        run_ranks(noop, 2, timeout=120, budget=MemoryBudget.parse(host="48MiB"))
+
+
+    def test_budget_below_a_known_footprint_is_refused_at_launch():
+        from megatron_testkit.budgets import MemoryBudget
+
+        run_ranks(noop, 2, timeout=120)  # an idle rank's footprint is now known
+        run_ranks(noop, 2, timeout=120, budget=MemoryBudget.parse(host="48MiB"))
     """
 )
 
@@ -261,8 +280,10 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
         "test_good_pair",
         "test_helpers_are_killed",
         "test_without_ranks",
+        "test_budget_below_the_startup_footprint",
+        "test_budget_below_a_known_footprint_is_refused_at_launch",
     }
-    assert report["session"]["outcome_counts"] == {"passed": 3, "failed": 7, "skipped": 0, "error": 0}
+    assert report["session"]["outcome_counts"] == {"passed": 3, "failed": 9, "skipped": 0, "error": 0}
     assert "-n" in report["session"]["pytest_args"]
     assert rows["test_without_ranks"]["world_size"] == 0
     assert rows["test_without_ranks"]["ranks"] == []
@@ -281,10 +302,39 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
     assert "pytest RSS grew" in scenarios["output"]
 
 
+def test_a_budget_below_the_rank_startup_footprint_is_the_budget_not_a_rank_oom(
+    scenarios: dict[str, Any],
+) -> None:
+    failure = _failure(scenarios, "test_budget_below_the_startup_footprint")
+    assert failure["rank"] is None and failure["kind"] is None  # no rank is blamed
+    assert failure["first_line"].startswith(
+        "megatron_testkit.ranks.BudgetBelowFootprint: host memory budget 48.00 MiB"
+    )
+    assert "below a rank's startup footprint" in failure["first_line"]
+
+
+def test_a_budget_below_a_known_idle_footprint_is_refused_before_spawning(scenarios: dict[str, Any]) -> None:
+    row = scenarios["rows"]["test_budget_below_a_known_footprint_is_refused_at_launch"]
+    failure = _failure(scenarios, "test_budget_below_a_known_footprint_is_refused_at_launch")
+    assert "below an idle rank's footprint" in failure["first_line"]
+    assert row["launches"] == 1  # the first launch ran; the refused one spawned nothing
+
+
+def test_a_rank_failure_shows_the_kit_message_not_the_launcher_source(scenarios: dict[str, Any]) -> None:
+    out = scenarios["output"]
+    section = out[out.index("_ test_error _") :]
+    section = section[: section.index("\n____") if "\n____" in section else None]
+    assert "RankFailure: rank 0 error: ValueError: bad shard on rank 0" in section
+    assert 'raise ValueError("bad shard on rank 0")' in section  # the rank's own traceback
+    for launcher_source in ("def run_ranks(", "__tracebackhide__", "launch.supervise()", "raise failure"):
+        assert launcher_source not in section
+    assert len(section.splitlines()) < 120
+
+
 def test_junit_failure_message_leads_with_rank_and_kind(scenarios: dict[str, Any]) -> None:
     junit = (scenarios["dir"] / "junit.xml").read_text()
-    assert 'message="megatron_testkit.ranks.RankFailure: rank 1 oom: RuntimeError' in junit
-    assert 'message="megatron_testkit.ranks.RankFailure: rank 1 crash: killed by SIGKILL' in junit
+    assert 'message="megatron_testkit.diagnosis.RankFailure: rank 1 oom: RuntimeError' in junit
+    assert 'message="megatron_testkit.diagnosis.RankFailure: rank 1 crash: killed by SIGKILL' in junit
 
 
 def test_failing_rank_output_is_shown_prefixed_by_rank(scenarios: dict[str, Any]) -> None:

@@ -75,8 +75,11 @@ def test_leak_guard_kills_a_leftover_child_and_errors(pytester: pytest.Pytester)
         """
         import subprocess, sys
 
+        import pytest
+
         PIDS = []
 
+        @pytest.mark.leak_guard  # launches no ranks: guarded because it opts in
         def test_leaves_a_child():
             PIDS.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]).pid)
 
@@ -97,8 +100,10 @@ def test_leak_guard_kills_a_leftover_child_and_errors(pytester: pytest.Pytester)
 def test_leak_guard_destroys_a_leftover_process_group(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
+        import pytest
         import torch.distributed as dist
 
+        @pytest.mark.leak_guard
         def test_leaves_a_group(tmp_path):
             dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1)
 
@@ -109,6 +114,57 @@ def test_leak_guard_destroys_a_leftover_process_group(pytester: pytest.Pytester)
     result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly")
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*default torch.distributed process group was left initialised*"])
+
+
+LEAVES_A_CHILD = """
+import subprocess, sys
+
+import pytest
+
+PIDS = []
+
+@pytest.mark.leak_guard
+def test_leaves_a_child():
+    PIDS.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]).pid)
+
+def test_child_is_still_there():
+    import psutil
+    proc = psutil.Process(PIDS[0])
+    alive = proc.status() != psutil.STATUS_ZOMBIE
+    proc.kill()
+    assert alive
+"""
+
+
+def test_the_leak_guard_leaves_tests_without_ranks_alone(pytester: pytest.Pytester) -> None:
+    # A project's own workers (a process pool kept across tests) are not the kit's business.
+    pytester.makepyfile(LEAVES_A_CHILD.replace("@pytest.mark.leak_guard\n", ""))
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+    assert "kit leak guard" not in result.stdout.str()
+
+
+def test_the_leak_guard_is_turned_off_by_the_ini_option(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nkit_leak_guard = off\n")
+    pytester.makepyfile(LEAVES_A_CHILD)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+
+
+def test_kit_leak_guard_all_guards_every_test(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nkit_leak_guard = all\n")
+    pytester.makepyfile(LEAVES_A_CHILD.replace("@pytest.mark.leak_guard\n", ""))
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1, errors=1)
+    result.stdout.fnmatch_lines(["*kit leak guard: 1 child process(es) still alive after the test (killed)*"])
+
+
+def test_an_unknown_kit_leak_guard_value_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\nkit_leak_guard = sometimes\n")
+    pytester.makepyfile("def test_a():\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*kit_leak_guard = 'sometimes'*expected one of ranks, all, off*"])
 
 
 def test_report_covers_tests_without_ranks_and_skips(pytester: pytest.Pytester) -> None:
@@ -229,3 +285,53 @@ def test_plugin_import_stays_light() -> None:
     code = "import sys, megatron_testkit.plugin; print(sorted(m for m in ('torch', 'megatron', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+TIERED = """
+import pytest
+
+pytestmark = pytest.mark.L1
+
+def test_module_tier():
+    pass
+
+@pytest.mark.L1
+def test_same_tier_twice():
+    pass
+
+@pytest.mark.L0
+def test_two_tiers():
+    pass
+"""
+UNTIERED = """
+import pytest
+
+def test_no_tier():
+    pass
+
+@pytest.mark.L2
+def test_nightly():
+    pass
+"""
+
+
+def test_with_kit_require_tier_a_missing_or_double_tier_is_a_collection_error(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeini("[pytest]\nkit_require_tier = true\n")
+    pytester.makepyfile(test_tiered=TIERED, test_untiered=UNTIERED)
+    result = pytester.runpytest("--co", "-q", "-p", "no:cacheprovider", "-m", "L2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    err = result.stderr.str()
+    assert "every test needs exactly one tier marker of L0, L1, L2; 2 do not" in err
+    assert "test_tiered.py::test_two_tiers: L0, L1" in err
+    assert "test_untiered.py::test_no_tier: no tier" in err
+    for fine in ("test_module_tier", "test_same_tier_twice", "test_nightly"):
+        assert fine not in err
+
+
+def test_without_kit_require_tier_untiered_tests_are_collected(pytester: pytest.Pytester) -> None:
+    # A project that installs the kit keeps its own tier policy (or none).
+    pytester.makepyfile(test_untiered=UNTIERED)
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)

@@ -2,7 +2,7 @@
 
 `run_ranks` is a plain function: it must not need a fixture argument to know the test it serves.
 The plugin opens a `TestContext` around each test; `run_ranks` reads the budget and log root from
-it and appends one `RunSummary` per launch. Outside pytest (scripts, torchrun jobs) there is no
+it and appends one `Run` (the report schema's launch record) per launch. Outside pytest (scripts, torchrun jobs) there is no
 context and the launcher falls back to ``PYTEST_CURRENT_TEST`` or the function's name.
 """
 
@@ -12,24 +12,9 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from megatron_testkit.budgets import MemoryBudget
-
-
-@dataclass
-class RunSummary:
-    """What one `run_ranks` call measured, in the report's field names."""
-
-    world_size: int
-    backend: str
-    started: float
-    seed: int
-    duration_s: float
-    log_dir: str | None
-    ranks: list[dict[str, Any]]
-    failure: dict[str, Any] | None = None
-    leaked_processes: int = 0
+from megatron_testkit.schema import Run
 
 
 @dataclass
@@ -39,7 +24,7 @@ class TestContext:
     nodeid: str
     budget: MemoryBudget | None = None
     log_root: str | None = None
-    runs: list[RunSummary] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
 
 
 # A stack, not one slot: pytester runs a test session inside a test.
@@ -101,7 +86,7 @@ def current_test_id() -> str | None:
     return None
 
 
-def record_run(summary: RunSummary) -> None:
+def record_run(summary: Run) -> None:
     """Attribute one launch to the current test (dropped outside a test)."""
     if _contexts:
         _contexts[-1].runs.append(summary)

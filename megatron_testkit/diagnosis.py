@@ -17,8 +17,9 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass, field
+from typing import Any
 
-KINDS = ("oom", "error", "crash", "hang")
+from megatron_testkit.schema import Failure, RankPeak
 
 _OOM_PATTERNS = re.compile(
     r"out of memory|can't allocate memory|cannot allocate memory|not enough memory|"
@@ -86,6 +87,43 @@ class RankRecord:
         if self.exit_code not in (None, 0):
             return f"exited with code {self.exit_code} without a Python exception"
         return self.status
+
+    def peak(self) -> RankPeak:
+        """This rank's row in the report."""
+        return RankPeak(self.rank, self.peak_host_bytes, self.peak_device_bytes, self.exit_code, self.signal)
+
+
+class RankFailure(Exception):
+    """A launch failed. ``rank`` is the root cause, ``kind`` one of oom, error, crash, hang.
+
+    ``records`` holds a `RankRecord` for every rank; ``log_dir`` the directory with the rank
+    logs, records and stack dumps. ``str()`` leads with ``rank <r> <kind>: ...``.
+    """
+
+    def __init__(
+        self, message: str, *, rank: int, kind: str, records: list[RankRecord], log_dir: str | None
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.kind = kind
+        self.records = records
+        self.log_dir = log_dir
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only arguments: the default exception pickling would lose them.
+        return (_rebuild_failure, (str(self), self.rank, self.kind, self.records, self.log_dir))
+
+    def to_failure(self, limit: int | None = None) -> Failure:
+        """The report's ``failure`` entry (the message's last ``limit`` characters, all by default)."""
+        message = str(self)
+        text = message[-limit:] if limit else message
+        return Failure(self.rank, self.kind, message.splitlines()[0] if message else "", text)
+
+
+def _rebuild_failure(
+    message: str, rank: int, kind: str, records: list[RankRecord], log_dir: str | None
+) -> RankFailure:
+    return RankFailure(message, rank=rank, kind=kind, records=records, log_dir=log_dir)
 
 
 def signal_name(returncode: int | None) -> str | None:
@@ -190,8 +228,6 @@ def format_failure(
             desc = f"{rec.kind}{why}: {rec.summary()}"
         elif rec.status == "torn_down":
             desc = "still running; torn down by the launcher after the root cause"
-        elif rec.status == "failed":
-            desc = f"{rec.kind}: {rec.summary()}"
         elif rec.status == "hung":
             desc = "hung (still running at the timeout)"
         else:

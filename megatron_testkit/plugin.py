@@ -8,8 +8,11 @@ What it does for every test:
 - opens a `megatron_testkit.attribution` context (test id, ``memory_budget``), so a plain `run_ranks`
   call is attributed to the test and enforces its budget;
 - skips ``gpu`` tests without CUDA and ``gpu`` + ``world_size(n)`` tests with fewer than n GPUs;
-- guards the shared session (`kit_leak_guard`, autouse): no child process and no initialised
-  default process group may outlive a test, and the pytest process' RSS growth is recorded;
+- guards the shared session (`kit_leak_guard`, autouse) on tests that launched ranks, are marked
+  ``world_size`` or ``leak_guard``, or on every test with ``kit_leak_guard = all`` (ini; ``off``
+  disables it): no child process and no initialised default process group may outlive the test.
+  Other tests are left alone, so a project's own long-lived workers (a ProcessPoolExecutor kept
+  across tests) survive; the pytest process' RSS growth is recorded for every test;
 - attaches what it measured to the test's reports (``report.kit``), which xdist carries to the
   controller, where `megatron_testkit.report` builds the session table and ``--kit-report DIR`` files.
 """
@@ -25,6 +28,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +37,10 @@ import pytest
 
 from megatron_testkit import attribution
 from megatron_testkit.budgets import MemoryBudget
-from megatron_testkit.report import ReportCollector, build_report, format_table, run_to_dict, write_report
+from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
 
+# The one list of the kit's markers (registered below; pyproject keeps no copy).
+TIERS = ("L0", "L1", "L2")
 _MARKERS = (
     "L0: runs on every pull request; must finish on a 2-core CPU-only runner",
     "L1: the longer set: pushes to main and the needs-more-tests label",
@@ -42,7 +48,9 @@ _MARKERS = (
     "gpu: needs CUDA; skips with a reason without it",
     "world_size(n): the number of ranks the test launches (skips when a GPU test needs more GPUs than exist)",
     "memory_budget(host=None, device=None): per-rank peak limits, e.g. host='1.5GiB', device='4GiB'",
+    "leak_guard: apply the kit's leak guard to this test although it launches no ranks",
 )
+_LEAK_GUARD_MODES = ("ranks", "all", "off")
 
 
 _SAVED_ROOTS = pytest.StashKey[tuple]()
@@ -56,6 +64,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="write DIR/kit-report.json and DIR/kit-report.md (per-test rank peaks, budgets, "
         "outcomes) and keep every rank's log under DIR/logs/<test>/rank<N>.log",
+    )
+    parser.addini(
+        "kit_leak_guard",
+        "which tests the kit's leak guard checks for leftover child processes and process groups: "
+        "'ranks' (default: tests that launched ranks or are marked world_size/leak_guard), 'all', 'off'",
+        default="ranks",
+    )
+    parser.addini(
+        "kit_require_tier",
+        "make a test without exactly one tier marker (L0, L1, L2) a collection error",
+        type="bool",
+        default=False,
     )
 
 
@@ -139,6 +159,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # --strict-markers without copying our pyproject.
     for line in _MARKERS:
         config.addinivalue_line("markers", line)
+    _leak_guard_mode(config)  # a bad value is a usage error now, not in the first test's teardown
     # Saved and restored: a pytester session run in-process must not redirect the outer one's logs.
     config.stash[_SAVED_ROOTS] = (attribution.log_root(), attribution.scratch_root())
     option = config.getoption("--kit-report", None)
@@ -168,6 +189,29 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # ---- markers -------------------------------------------------------------------------------
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """With ``kit_require_tier``: every collected test carries exactly one of L0, L1, L2.
+
+    Checked before ``-m`` deselects anything, so a test without a tier cannot hide from every
+    tier's run. A test marked twice with the same tier (module and function) has one tier.
+    """
+    if not config.getini("kit_require_tier"):
+        return
+    problems = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            problems.append(f"{item.nodeid}: {', '.join(tiers) if tiers else 'no tier'}")
+    if problems:
+        raise pytest.UsageError(
+            f"kit_require_tier: every test needs exactly one tier marker of {', '.join(TIERS)}; "
+            f"{len(problems)} do not:\n  " + "\n  ".join(problems)
+        )
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     mark = item.get_closest_marker("memory_budget")
     context = attribution.current()
@@ -210,23 +254,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     kit: dict[str, Any] = {}
     if context is not None:
         sent = item.stash.get(_SENT, 0)
-        kit["runs"] = [run_to_dict(run) for run in context.runs[sent:]]
+        kit["runs"] = [run.to_json() for run in context.runs[sent:]]
         item.stash[_SENT] = len(context.runs)
         if context.budget is not None:
             kit["budget_host_bytes"] = context.budget.host_bytes
             kit["budget_device_bytes"] = context.budget.device_bytes
     if call.excinfo is not None:
-        from megatron_testkit.ranks import RankFailure
+        from megatron_testkit.diagnosis import RankFailure
 
         exc = call.excinfo.value
         if isinstance(exc, RankFailure):
-            message = str(exc)
-            kit["failure"] = {
-                "rank": exc.rank,
-                "kind": exc.kind,
-                "first_line": message.splitlines()[0] if message else "",
-                "message": message[-20000:],
-            }
+            kit["failure"] = asdict(exc.to_failure(limit=20000))
     if call.when == "setup":
         kit["pytest_rss_before_bytes"] = item.stash.get(_RSS_BEFORE, None)
     if call.when == "teardown":
@@ -244,14 +282,21 @@ def kit_leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
 
     Protects the shared session: the next test would otherwise inherit a process group (and its
     sockets) or a stray rank using CPU and memory. Leaked processes are killed, the group is
-    destroyed, then the test errors in teardown saying what it left.
+    destroyed, then the test errors in teardown saying what it left. Acts only on the tests the
+    ``kit_leak_guard`` ini option selects (see the module docstring); the rest are untouched.
     """
     from megatron_testkit import proctree
 
+    mode = _leak_guard_mode(request.config)
+    if mode == "off":
+        yield
+        return
     # Baselines: what wider-scoped fixtures set up before this test is theirs, not a leak.
     before = {p.pid for p in proctree.leaked_children()}
     group_before = _default_group_initialised()
     yield
+    if not _guarded(request.node, mode):
+        return
     problems = []
     leaked = [p for p in proctree.leaked_children() if p.pid not in before]
     if leaked:
@@ -273,6 +318,23 @@ def kit_leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
         )
     if problems:
         pytest.fail("kit leak guard: " + " | ".join(problems), pytrace=False)
+
+
+def _leak_guard_mode(config: pytest.Config) -> str:
+    mode = str(config.getini("kit_leak_guard") or "ranks").strip().lower()
+    if mode not in _LEAK_GUARD_MODES:
+        raise pytest.UsageError(
+            f"kit_leak_guard = {mode!r} in the pytest ini: expected one of {', '.join(_LEAK_GUARD_MODES)}"
+        )
+    return mode
+
+
+def _guarded(item: pytest.Item, mode: str) -> bool:
+    """Whether the leak guard acts on this test: every test under ``all``, else rank tests."""
+    if mode == "all" or item.get_closest_marker("leak_guard") or item.get_closest_marker("world_size"):
+        return True
+    context = attribution.current()
+    return bool(context is not None and context.runs)
 
 
 def _default_group_initialised() -> bool:

@@ -24,33 +24,32 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from megatron_testkit import procfs
+from megatron_testkit.procfs import current_rss_bytes
+
 # Exit code of a rank stopped by its host memory budget (its record says so).
 BUDGET_EXIT = 86
 
 
 def peak_rss_bytes() -> int:
     """The kernel's high-water mark of this process' resident set (VmHWM), exact, in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    import resource
+    peak = procfs.peak_rss_bytes()
+    if peak is not None:
+        return peak
+    import resource  # no /proc: the best the platform offers
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def current_rss_bytes() -> int:
-    """Resident set size now, from /proc/self/statm (cheap enough to sample every 20 ms)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def peak_device_bytes() -> int | None:
     """Peak CUDA memory allocated by this process, or None when CUDA was never initialised."""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    try:
+        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.max_memory_allocated())
+    except Exception:  # torch half-imported: the watchdog can fire while `import torch` runs
         return None
-    return int(torch.cuda.max_memory_allocated())
 
 
 class _Rank:
@@ -67,6 +66,10 @@ class _Rank:
         self.state_fd = os.open(self.run_dir / f"rank{rank}.state", os.O_WRONLY | os.O_CREAT, 0o644)
         self.stacks = open(self.run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 (lives until exit)
         self.record_written = False
+        # Before the test's function starts, memory is the rank's startup footprint (Python,
+        # torch, the test's module, the process group): a budget crossed then is too small.
+        self.in_function = False
+        self.idle_host_bytes: int | None = None
 
     # -- records -----------------------------------------------------------------------------
     def write_record(self, status: str, **fields: Any) -> None:
@@ -74,7 +77,6 @@ class _Rank:
         with self.lock:
             if self.record_written:
                 return
-            self.record_written = True
             record = {
                 "rank": self.rank,
                 "pid": os.getpid(),
@@ -85,11 +87,14 @@ class _Rank:
                 "peak_device_bytes": peak_device_bytes(),
                 "last_collective": self.last_collective,
                 "collective_seq": self.collective_seq,
+                "in_function": self.in_function,
+                "idle_host_bytes": self.idle_host_bytes,
                 **fields,
             }
             tmp = self.run_dir / f"rank{self.rank}.json.tmp"
             tmp.write_text(json.dumps(record, default=str))
             os.replace(tmp, self.run_dir / f"rank{self.rank}.json")
+            self.record_written = True  # only once it exists: a failed attempt leaves room for the next
 
     def fail(self, exc: BaseException, kind_hint: str | None = None, message: str | None = None) -> None:
         """Record an exception with its traceback, echo it to the log, and exit at once.
@@ -156,6 +161,8 @@ class _Rank:
                         f"host memory budget exceeded: RSS {_fmt(rss)} > budget {_fmt(budget)} "
                         f"(stopped by the kit's RSS watchdog)"
                     )
+                    if not self.in_function:
+                        message += " before the test's function started (the rank's startup footprint)"
                     sys.stderr.write(f"rank {self.rank}: {message}\n")
                     self.write_record(
                         "failed",
@@ -224,6 +231,28 @@ def _device_cap(budget_device: int | None) -> int | None:
     return min(caps) if caps else None
 
 
+def _load_main(main: dict[str, str]) -> None:
+    """Make the launching script's ``__main__`` functions resolvable here.
+
+    A ``python -m`` script is imported under its name; a ``python script.py`` file is run as
+    ``__mp_main__`` (as multiprocessing's spawn does). Either way its ``if __name__ ==
+    "__main__"`` block stays unrun, and ``__main__.fn`` in the pickled payload resolves to it.
+    """
+    if "module" in main:
+        import importlib
+
+        sys.modules["__main__"] = importlib.import_module(main["module"])
+        return
+    import runpy
+    import types
+
+    module = types.ModuleType("__mp_main__")
+    module.__file__ = main["path"]
+    sys.modules["__mp_main__"] = module
+    module.__dict__.update(runpy.run_path(main["path"], run_name="__mp_main__"))
+    sys.modules["__main__"] = module
+
+
 def run(spec: dict[str, Any], rank: int) -> None:
     """Run ``fn(rank, world_size, *args)`` for this rank and exit; never returns."""
     state = _Rank(spec, rank)
@@ -238,16 +267,14 @@ def run(spec: dict[str, Any], rank: int) -> None:
         import torch
         import torch.distributed as dist
 
+        # An idle rank's footprint (Python + torch): the launcher refuses smaller host budgets.
+        state.idle_host_bytes = current_rss_bytes()
         torch.set_num_threads(spec["threads"])
         _seed_everything(spec["seed"] + rank)
         if spec.get("track_collectives", True):
             state.track_collectives()
-        if spec.get("main_module"):
-            # The function lives in a `python -m` script: import it under its name and let
-            # `__main__.fn` resolve there (its `if __name__ == "__main__"` block stays unrun).
-            import importlib
-
-            sys.modules["__main__"] = importlib.import_module(spec["main_module"])
+        if spec.get("main"):
+            _load_main(spec["main"])
         with open(spec["payload"], "rb") as f:
             fn, args = pickle.load(f)
         backend = spec["backend"]
@@ -272,6 +299,7 @@ def run(spec: dict[str, Any], rank: int) -> None:
             world_size=world_size,
             timeout=timedelta(seconds=spec["pg_timeout_s"]),
         )
+        state.in_function = True
         result = fn(rank, world_size, *args)
     except BaseException as exc:
         state.fail(exc, _classify_exception(exc))

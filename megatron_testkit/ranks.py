@@ -23,15 +23,25 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psutil
 
-from megatron_testkit import attribution, proctree
-from megatron_testkit.attribution import RunSummary
-from megatron_testkit.budgets import MemoryBudget
-from megatron_testkit.diagnosis import RankRecord, format_failure, root_cause, signal_name
+from megatron_testkit import attribution, procfs, proctree
+from megatron_testkit.budgets import MemoryBudget, format_size
+from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
+from megatron_testkit.schema import Run
+
+__all__ = [
+    "BudgetBelowFootprint",
+    "RankFailure",
+    "choose_backend",
+    "cuda_device_count",
+    "in_torchrun",
+    "run_ranks",
+]
 
 DEFAULT_TIMEOUT = float(os.environ.get("KIT_RANK_TIMEOUT", "300"))
 # After the first failure, how long the other ranks get to fail on their own (their knock-on
@@ -47,33 +57,6 @@ _BOOTSTRAP = (
     "from megatron_testkit.rank_worker import main\n"
     "main()\n"
 )
-
-
-class RankFailure(Exception):
-    """A launch failed. ``rank`` is the root cause, ``kind`` one of oom, error, crash, hang.
-
-    ``records`` holds a `RankRecord` for every rank; ``log_dir`` the directory with the rank
-    logs, records and stack dumps. ``str()`` leads with ``rank <r> <kind>: ...``.
-    """
-
-    def __init__(
-        self, message: str, *, rank: int, kind: str, records: list[RankRecord], log_dir: str | None
-    ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.kind = kind
-        self.records = records
-        self.log_dir = log_dir
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Keyword-only arguments: the default exception pickling would lose them.
-        return (_rebuild_failure, (str(self), self.rank, self.kind, self.records, self.log_dir))
-
-
-def _rebuild_failure(
-    message: str, rank: int, kind: str, records: list[RankRecord], log_dir: str | None
-) -> RankFailure:
-    return RankFailure(message, rank=rank, kind=kind, records=records, log_dir=log_dir)
 
 
 def in_torchrun() -> bool:
@@ -107,13 +90,12 @@ def _check_picklable(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
             f"run_ranks needs a module-level function (ranks are spawned and import it by name), "
             f"got {module}.{qualname}: move it to the top level of its module"
         )
-    if module == "__main__":
-        main_spec = getattr(sys.modules["__main__"], "__spec__", None)
-        if main_spec is None or not main_spec.name:
-            raise TypeError(
-                f"run_ranks cannot import {qualname} from a script run as __main__: put it in an "
-                f"importable module or run the script with `python -m`"
-            )
+    if module == "__main__" and _main_source() is None:
+        raise TypeError(
+            f"run_ranks cannot import {qualname} from __main__: it has neither a module name "
+            f"(`python -m`) nor a script file (`python script.py`), e.g. an interactive session; "
+            f"put the function in an importable module"
+        )
     try:
         return pickle.dumps((fn, tuple(args)))
     except Exception as exc:
@@ -123,9 +105,21 @@ def _check_picklable(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
         ) from exc
 
 
-def _main_module_name() -> str:
-    """The importable name of a ``python -m`` script, whose functions pickle as ``__main__.x``."""
-    return sys.modules["__main__"].__spec__.name
+def _main_source() -> dict[str, str] | None:
+    """Where the ranks find ``__main__``'s functions (which pickle as ``__main__.x``).
+
+    ``{"module": name}`` for ``python -m name``; ``{"path": file}`` for ``python script.py``, which
+    the ranks run as ``__mp_main__`` (its ``if __name__ == "__main__"`` block stays unrun), as
+    ``torch.multiprocessing.spawn`` does; None when neither exists (an interactive session).
+    """
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        return {"module": spec.name}
+    path = getattr(main, "__file__", None)
+    if path and os.path.isfile(path):
+        return {"path": os.path.abspath(path)}
+    return None
 
 
 def _threads_per_rank(world_size: int) -> int:
@@ -134,6 +128,15 @@ def _threads_per_rank(world_size: int) -> int:
     # what made 2-rank CPU runs several times slower in the measurements.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     return max(1, cores // (world_size * max(1, workers)))
+
+
+class BudgetBelowFootprint(ValueError):
+    """A host budget smaller than an idle rank's footprint: no test function can run within it."""
+
+
+# The smallest idle-rank footprint (Python + torch, before anything else) seen in this process:
+# a later launch with a host budget below it is refused before anything is spawned.
+_idle_footprint: int | None = None
 
 
 def _run_dir(test_id: str | None, log_root: str | None) -> tuple[Path, bool]:
@@ -155,9 +158,7 @@ def _run_dir(test_id: str | None, log_root: str | None) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="kit-ranks-", dir=scratch)), False
 
 
-def _rank_env(
-    env: dict[str, str] | None, rank: int, world_size: int, spec_path: Path, threads: int, seed: int
-) -> dict:
+def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, threads: int) -> dict:
     child = dict(os.environ)
     for key in ("PYTEST_XDIST_WORKER", "TORCHELASTIC_RUN_ID", "LOCAL_RANK", "GROUP_RANK"):
         child.pop(key, None)
@@ -172,12 +173,9 @@ def _rank_env(
             "OMP_NUM_THREADS": str(threads),
             "PYTHONUNBUFFERED": "1",
             "PYTHONFAULTHANDLER": "1",
-            # The launch's seed; rank r seeds random, numpy and torch with KIT_TEST_SEED + r.
-            "KIT_TEST_SEED": str(seed),
         }
     )
-    if env:
-        child.update({k: str(v) for k, v in env.items()})
+    child.update({k: str(v) for k, v in env.items()})
     return child
 
 
@@ -204,33 +202,39 @@ def _read_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _read_hwm(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+@dataclass
+class _RankProcess:
+    """One spawned rank as the parent sees it while it runs."""
 
+    rank: int
+    proc: subprocess.Popen
+    log: IO[bytes]
+    status: str = "running"  # running, ok, failed, torn_down, hung
+    exit_time: float | None = None
+    sampled_peak: int | None = None
 
-def _collect(
-    run_dir: Path,
-    procs: list[subprocess.Popen],
-    exit_times: list[float | None],
-    statuses: list[str],
-    sampled_peak: list[int | None],
-) -> list[RankRecord]:
-    records = []
-    for rank, proc in enumerate(procs):
-        rec = RankRecord(rank=rank, status=statuses[rank], pid=proc.pid)
-        rec.exit_code = proc.returncode if proc.returncode is not None and proc.returncode >= 0 else None
-        rec.signal = signal_name(proc.returncode)
-        rec.time = exit_times[rank]
-        rec.log_path = str(run_dir / f"rank{rank}.log")
-        rec.peak_host_bytes = sampled_peak[rank]
-        path = run_dir / f"rank{rank}.json"
+    def poll(self) -> bool:
+        """Sample the peak; note an exit. True when the rank has just failed."""
+        peak = procfs.peak_rss_bytes(self.proc.pid)
+        if peak is not None:
+            self.sampled_peak = max(peak, self.sampled_peak or 0)
+        rc = self.proc.poll()
+        if rc is None:
+            return False
+        self.exit_time = time.time()
+        self.status = "ok" if rc == 0 else "failed"
+        return rc != 0
+
+    def record(self, run_dir: Path) -> RankRecord:
+        """Everything the rank left behind (its record, state, stacks, log), as a `RankRecord`."""
+        rc = self.proc.returncode
+        rec = RankRecord(rank=self.rank, status=self.status, pid=self.proc.pid)
+        rec.exit_code = rc if rc is not None and rc >= 0 else None
+        rec.signal = signal_name(rc)
+        rec.time = self.exit_time
+        rec.log_path = str(run_dir / f"rank{self.rank}.log")
+        rec.peak_host_bytes = self.sampled_peak
+        path = run_dir / f"rank{self.rank}.json"
         if path.exists():
             data = json.loads(path.read_text())
             for key in ("exc_type", "exc_message", "traceback", "kind_hint", "last_collective"):
@@ -239,34 +243,249 @@ def _collect(
             rec.time = data.get("time", rec.time)
             rec.peak_host_bytes = data.get("peak_host_bytes") or rec.peak_host_bytes
             rec.peak_device_bytes = data.get("peak_device_bytes")
+            rec.extra["in_function"] = data.get("in_function", True)
+            rec.extra["idle_host_bytes"] = data.get("idle_host_bytes")
             if data.get("status") == "failed" and rec.status in ("ok", "torn_down", "hung"):
                 rec.status = "failed"
         else:
             with contextlib.suppress(OSError, ValueError):
-                state = json.loads((run_dir / f"rank{rank}.state").read_text().strip() or "{}")
+                state = json.loads((run_dir / f"rank{self.rank}.state").read_text().strip() or "{}")
                 rec.last_collective = state.get("last_collective")
                 rec.collective_seq = state.get("seq") or 0
         with contextlib.suppress(OSError):
-            rec.stack = (run_dir / f"rank{rank}.stacks").read_text().strip() or None
-        if rec.status != "ok":
-            # A rank killed without a record (NCCL's watchdog aborts with SIGABRT) is diagnosed
-            # from what it printed last.
-            rec.log_tail = _read_tail(Path(rec.log_path))
-        records.append(rec)
-    return records
+            rec.stack = (run_dir / f"rank{self.rank}.stacks").read_text().strip() or None
+        # A rank killed without a record (NCCL's watchdog aborts with SIGABRT) is diagnosed
+        # from what it printed last; the message shows every rank's last lines on failure.
+        rec.log_tail = _read_tail(Path(rec.log_path))
+        return rec
 
 
-def _rank_rows(records: list[RankRecord]) -> list[dict[str, Any]]:
-    return [
-        {
-            "rank": r.rank,
-            "peak_host_bytes": r.peak_host_bytes,
-            "peak_device_bytes": r.peak_device_bytes,
-            "exit_code": r.exit_code,
-            "signal": r.signal,
+class _Launch:
+    """One `run_ranks` call: its directory, spec and ranks, from spawn to verdict and report row."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *,
+        backend: str,
+        timeout: float,
+        args: Sequence[Any],
+        env: dict[str, str] | None,
+        budget: MemoryBudget | None,
+    ) -> None:
+        payload = _check_picklable(fn, args)
+        context = attribution.current()
+        self.in_test = attribution.current_test_id() is not None
+        self.test_id = attribution.current_test_id() or f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
+        if budget is None and context is not None:
+            budget = context.budget
+        self.budget = budget or MemoryBudget()
+        _refuse_budget_below_footprint(self.budget)
+        self.world_size, self.timeout = world_size, timeout
+        self.backend = choose_backend(backend, world_size)
+        self.seed = attribution.seed_for(self.test_id)
+        self.run_dir, self.keep = _run_dir(
+            self.test_id, context.log_root if context else attribution.log_root()
+        )
+        (self.run_dir / "payload.pkl").write_bytes(payload)
+        self.spec_path = self.run_dir / "spec.json"
+        self.spec_path.write_text(json.dumps(self._spec(fn)))
+        self.env = _nccl_env(self.run_dir) if self.backend == "nccl" else {}
+        self.env.update(env or {})
+        self.ranks: list[_RankProcess] = []
+        self.helpers: dict[int, psutil.Process] = {}
+        self.started = time.time()
+
+    def _spec(self, fn: Callable[..., Any]) -> dict[str, Any]:
+        """What every rank reads at start (``rank_worker.run``)."""
+        # The process group times out before the launch does, so NCCL's watchdog writes its flight
+        # recorder while the launcher still waits; gloo gets the same margin.
+        pg_timeout = max(5.0, min(self.timeout * 0.8, self.timeout - 10.0))
+        sys_path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+        package_root = str(Path(__file__).resolve().parent.parent)
+        if package_root not in sys_path:
+            sys_path.append(package_root)
+        return {
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "run_dir": str(self.run_dir),
+            "store": str(self.run_dir / "filestore"),
+            "payload": str(self.run_dir / "payload.pkl"),
+            "pg_timeout_s": pg_timeout,
+            "seed": self.seed,  # rank r seeds random, numpy and torch with seed + r
+            "threads": _threads_per_rank(self.world_size),
+            "budget_host_bytes": self.budget.host_bytes,
+            "budget_device_bytes": self.budget.device_bytes,
+            "sys_path": sys_path,
+            "track_collectives": os.environ.get("KIT_TRACK_COLLECTIVES", "1") != "0",
+            "main": _main_source() if getattr(fn, "__module__", None) == "__main__" else None,
         }
-        for r in records
-    ]
+
+    def start(self) -> None:
+        """Spawn every rank in its own session, its output going to ``rank<N>.log``."""
+        threads = _threads_per_rank(self.world_size)
+        for rank in range(self.world_size):
+            log = open(self.run_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed in close())
+            try:
+                proc = subprocess.Popen(
+                    # The trailing argument names the rank in `ps` output.
+                    [sys.executable, "-c", _BOOTSTRAP, f"kit-rank-{rank}-of-{self.world_size}"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=_rank_env(self.env, rank, self.world_size, self.spec_path, threads),
+                    start_new_session=True,
+                )
+            except BaseException:
+                log.close()
+                raise
+            self.ranks.append(_RankProcess(rank, proc, log))
+
+    def supervise(self) -> bool:
+        """Poll the ranks until all exit, one fails (plus a grace), or the timeout; True on a hang."""
+        __tracebackhide__ = True  # an interrupt (pytest-timeout) lands here: show the test, not this
+        deadline = time.monotonic() + self.timeout
+        first_failure: float | None = None
+        last_scan = 0.0
+        while True:
+            now = time.monotonic()
+            for r in self.running():
+                if r.poll() and first_failure is None:
+                    first_failure = now
+            if now - last_scan > 0.5:
+                # Remember helpers that might leave the rank's process group before it dies.
+                last_scan = now
+                for r in self.ranks:
+                    for child in proctree.descendants(r.proc.pid):
+                        self.helpers.setdefault(child.pid, child)
+            running = self.running()
+            if not running:
+                return False
+            if first_failure is not None and now - first_failure > _GRACE_S:
+                self.stop(running, "torn_down")
+                return False
+            if now > deadline:
+                self.stop(running, "hung")
+                return True
+            time.sleep(_POLL_S)
+
+    def running(self) -> list[_RankProcess]:
+        """The ranks still running."""
+        return [r for r in self.ranks if r.status == "running"]
+
+    def stop(self, ranks: list[_RankProcess], status: str) -> None:
+        """Ask the given ranks for a faulthandler stack dump, then kill their process groups."""
+        __tracebackhide__ = True  # an interrupt (pytest-timeout) lands here: show the test, not this
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r.proc.pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        for r in ranks:
+            proctree.signal_group(r.proc.pid, signal.SIGKILL)
+            r.status = status
+        for r in ranks:
+            with contextlib.suppress(Exception):
+                r.proc.wait(timeout=5)
+
+    def interrupted(self, exc: BaseException) -> None:
+        """Interrupted from outside (Ctrl-C, pytest-timeout): note where every rank was."""
+        running = self.running()
+        with contextlib.suppress(BaseException):
+            self.stop(running, "torn_down")
+            stacks = []
+            for r in running:
+                with contextlib.suppress(OSError):
+                    text = (self.run_dir / f"rank{r.rank}.stacks").read_text().strip()
+                    stacks.append(f"rank {r.rank}:\n{text}")
+            if stacks and hasattr(exc, "add_note"):
+                exc.add_note(
+                    f"run_ranks was interrupted; rank logs in {self.run_dir}; stacks:\n" + "\n".join(stacks)
+                )
+
+    def diagnose(self, records: list[RankRecord], hung: bool) -> RankFailure | None:
+        """The launch's verdict: None when every rank returned, else the `RankFailure` to raise."""
+        root = root_cause(records)
+        if root is None and not hung:
+            return None
+        assert root is not None
+        _refuse_if_failed_at_startup(root, self.budget)
+        message = format_failure(
+            root, records, timeout=self.timeout, log_dir=str(self.run_dir), started=self.started
+        )
+        if self.in_test:
+            # Same test id, same seeds: this replays the launch as it ran.
+            message += (
+                f"\nrepro: KIT_SEED={self.seed} python -m pytest '{self.test_id}' "
+                f"(world_size={self.world_size}, backend={self.backend})"
+            )
+        return RankFailure(
+            message, rank=root.rank, kind=root.kind or "error", records=records, log_dir=str(self.run_dir)
+        )
+
+    def results(self) -> list[Any]:
+        """Every rank's return value, in rank order."""
+        out = []
+        for r in self.ranks:
+            with open(self.run_dir / f"rank{r.rank}.result", "rb") as f:
+                out.append(pickle.load(f))
+        return out
+
+    def close(self) -> int:
+        """Close the logs, kill whatever is left of the ranks' trees; how many helpers leaked."""
+        for r in self.ranks:
+            r.log.close()
+        leaked = proctree.kill_tree([r.proc.pid for r in self.ranks], list(self.helpers.values()))
+        for r in self.ranks:
+            with contextlib.suppress(Exception):
+                r.proc.wait(timeout=5)
+        return leaked
+
+    def report(self, records: list[RankRecord], failure: BaseException | None, leaked: int) -> None:
+        """Attribute the launch to the running test and keep or remove its directory."""
+        global _idle_footprint
+        idle = [r.extra.get("idle_host_bytes") for r in records if r.extra.get("idle_host_bytes")]
+        if idle:
+            _idle_footprint = min([*idle, _idle_footprint or min(idle)])
+        attribution.record_run(
+            Run(
+                world_size=self.world_size,
+                backend=self.backend,
+                started=self.started,
+                seed=self.seed,
+                duration_s=time.time() - self.started,
+                log_dir=str(self.run_dir) if self.keep or failure else None,
+                ranks=[r.peak() for r in records],
+                failure=failure.to_failure() if isinstance(failure, RankFailure) else None,
+                leaked_processes=leaked,
+            )
+        )
+        if not self.keep and failure is None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        else:
+            # Kept for people and CI artifacts: logs, records, stacks; not the pickled payload and
+            # results, which can be large.
+            for path in [self.run_dir / "payload.pkl", *self.run_dir.glob("rank*.result")]:
+                path.unlink(missing_ok=True)
+
+
+def _refuse_budget_below_footprint(budget: MemoryBudget) -> None:
+    if budget.host_bytes is not None and _idle_footprint is not None and budget.host_bytes < _idle_footprint:
+        raise BudgetBelowFootprint(
+            f"host memory budget {format_size(budget.host_bytes)} is below an idle rank's footprint "
+            f"({format_size(_idle_footprint)}: Python and torch, measured in this session's earlier "
+            f"launches) before the test's function would even start: raise memory_budget(host=...)"
+        )
+
+
+def _refuse_if_failed_at_startup(root: RankRecord, budget: MemoryBudget) -> None:
+    """A host budget crossed before the test's function started is the budget's fault, no rank's."""
+    if root.kind == "oom" and root.extra.get("in_function") is False and budget.host_bytes is not None:
+        raise BudgetBelowFootprint(
+            f"host memory budget {format_size(budget.host_bytes)} is below a rank's startup footprint: "
+            f"rank {root.rank} crossed it before the test's function started (Python, torch, the "
+            f"test's module, the process group): raise memory_budget(host=...). {root.summary()}"
+        )
 
 
 def run_ranks(
@@ -286,224 +505,34 @@ def run_ranks(
     ``timeout`` (seconds, from spawn) bounds the whole launch; past it every rank's Python stack
     is dumped and the launch fails as a hang. ``env`` adds environment variables for the ranks.
     ``budget`` overrides the test's ``memory_budget`` marker. Raises `RankFailure` when any rank
-    fails, `TypeError` when ``fn`` cannot be imported by name in a fresh process.
+    fails, `TypeError` when ``fn`` cannot be imported by name in a fresh process, and
+    `BudgetBelowFootprint` when the host budget is smaller than an idle rank.
     """
+    __tracebackhide__ = True  # pytest shows the kit's message and the rank's traceback, not this source
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if in_torchrun():
         from megatron_testkit.torchrun import run_in_torchrun
 
         return run_in_torchrun(fn, world_size, backend=backend, args=args)
-    payload = _check_picklable(fn, args)
-    context = attribution.current()
-    test_id = attribution.current_test_id() or f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
-    if budget is None and context is not None:
-        budget = context.budget
-    budget = budget or MemoryBudget()
-    chosen = choose_backend(backend, world_size)
-    seed = attribution.seed_for(test_id)
-    run_dir, keep = _run_dir(test_id, context.log_root if context else attribution.log_root())
-    threads = _threads_per_rank(world_size)
-    # The process group times out before the launch does, so NCCL's watchdog writes its flight
-    # recorder while the launcher still waits; gloo gets the same margin.
-    pg_timeout = max(5.0, min(timeout * 0.8, timeout - 10.0))
-    (run_dir / "payload.pkl").write_bytes(payload)
-    spec = {
-        "world_size": world_size,
-        "backend": chosen,
-        "run_dir": str(run_dir),
-        "store": str(run_dir / "filestore"),
-        "payload": str(run_dir / "payload.pkl"),
-        "pg_timeout_s": pg_timeout,
-        "seed": seed,
-        "threads": threads,
-        "budget_host_bytes": budget.host_bytes,
-        "budget_device_bytes": budget.device_bytes,
-        "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
-        "track_collectives": os.environ.get("KIT_TRACK_COLLECTIVES", "1") != "0",
-        "main_module": _main_module_name() if getattr(fn, "__module__", None) == "__main__" else None,
-    }
-    package_root = str(Path(__file__).resolve().parent.parent)
-    if package_root not in spec["sys_path"]:
-        spec["sys_path"].append(package_root)
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    extra_env = dict(_nccl_env(run_dir)) if chosen == "nccl" else {}
-    extra_env.update(env or {})
-
-    started = time.time()
-    procs: list[subprocess.Popen] = []
-    logs = []
-    helpers: dict[int, psutil.Process] = {}
-    statuses = ["running"] * world_size
-    exit_times: list[float | None] = [None] * world_size
-    sampled_peak: list[int | None] = [None] * world_size
-    failure: RankFailure | None = None
-    results: list[Any] = []
-    leaked = 0
+    launch = _Launch(fn, world_size, backend=backend, timeout=timeout, args=args, env=env, budget=budget)
+    failure: BaseException | None = None
     try:
-        for rank in range(world_size):
-            log = open(run_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed in finally)
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    # The trailing argument names the rank in `ps` output.
-                    [sys.executable, "-c", _BOOTSTRAP, f"kit-rank-{rank}-of-{world_size}"],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=_rank_env(extra_env, rank, world_size, spec_path, threads, seed),
-                    start_new_session=True,
-                )
-            )
+        launch.start()
         try:
-            hung = _supervise(procs, statuses, exit_times, sampled_peak, helpers, timeout)
+            hung = launch.supervise()
         except BaseException as exc:
-            # Interrupted from outside (Ctrl-C, pytest-timeout's signal method): still show
-            # where every rank was before they are killed in `finally`.
-            _interrupted(exc, procs, statuses, run_dir)
+            launch.interrupted(exc)
             raise
-        for log in logs:
-            log.close()
-        records = _collect(run_dir, procs, exit_times, statuses, sampled_peak)
-        root = root_cause(records)
-        if root is None and not hung:
-            for rank in range(world_size):
-                with open(run_dir / f"rank{rank}.result", "rb") as f:
-                    results.append(pickle.load(f))
-        else:
-            assert root is not None
-            for rec in records:
-                rec.log_tail = rec.log_tail or _read_tail(Path(rec.log_path))
-            message = format_failure(
-                root,
-                records,
-                timeout=timeout,
-                log_dir=str(run_dir),
-                started=started,
-            )
-            if attribution.current_test_id():
-                # Same test id, same seeds: this replays the launch as it ran.
-                message += (
-                    f"\nrepro: KIT_SEED={seed} python -m pytest '{test_id}' "
-                    f"(world_size={world_size}, backend={chosen})"
-                )
-            failure = RankFailure(
-                message, rank=root.rank, kind=root.kind or "error", records=records, log_dir=str(run_dir)
-            )
+        records = [r.record(launch.run_dir) for r in launch.ranks]
+        try:
+            failure = launch.diagnose(records, hung)
+        except BudgetBelowFootprint as exc:
+            failure = exc
+        results = launch.results() if failure is None else []
     finally:
-        for log in logs:
-            log.close()
-        leaked = proctree.kill_tree([p.pid for p in procs], list(helpers.values()))
-        for proc in procs:
-            with contextlib.suppress(Exception):
-                proc.wait(timeout=5)
-    records_for_report = (
-        failure.records if failure else _collect(run_dir, procs, exit_times, statuses, sampled_peak)
-    )
-    attribution.record_run(
-        RunSummary(
-            world_size=world_size,
-            backend=chosen,
-            started=started,
-            seed=seed,
-            duration_s=time.time() - started,
-            log_dir=str(run_dir) if keep or failure else None,
-            ranks=_rank_rows(records_for_report),
-            failure=(
-                {
-                    "rank": failure.rank,
-                    "kind": failure.kind,
-                    "first_line": str(failure).splitlines()[0],
-                    "message": str(failure),
-                }
-                if failure
-                else None
-            ),
-            leaked_processes=leaked,
-        )
-    )
-    if not keep and failure is None:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    else:
-        # Kept for people and CI artifacts: logs, records, stacks; not the pickled payload and
-        # results, which can be large.
-        for path in [run_dir / "payload.pkl", *run_dir.glob("rank*.result")]:
-            path.unlink(missing_ok=True)
+        leaked = launch.close()
+    launch.report(records, failure, leaked)
     if failure is not None:
         raise failure
     return results
-
-
-def _supervise(
-    procs: list[subprocess.Popen],
-    statuses: list[str],
-    exit_times: list[float | None],
-    sampled_peak: list[int | None],
-    helpers: dict[int, psutil.Process],
-    timeout: float,
-) -> bool:
-    """Poll the ranks until all exit, one fails (plus a grace), or the timeout; True on a hang."""
-    deadline = time.monotonic() + timeout
-    first_failure: float | None = None
-    last_scan = 0.0
-    while True:
-        now = time.monotonic()
-        for rank, proc in enumerate(procs):
-            if statuses[rank] != "running":
-                continue
-            peak = _read_hwm(proc.pid)
-            if peak is not None:
-                sampled_peak[rank] = max(peak, sampled_peak[rank] or 0)
-            rc = proc.poll()
-            if rc is None:
-                continue
-            exit_times[rank] = time.time()
-            statuses[rank] = "ok" if rc == 0 else "failed"
-            if rc != 0 and first_failure is None:
-                first_failure = now
-        if now - last_scan > 0.5:
-            # Remember helpers that might leave the rank's process group before it dies.
-            last_scan = now
-            for proc in procs:
-                for child in proctree.descendants(proc.pid):
-                    helpers.setdefault(child.pid, child)
-        running = [r for r in range(len(procs)) if statuses[r] == "running"]
-        if not running:
-            return False
-        if first_failure is not None and now - first_failure > _GRACE_S:
-            _dump_and_stop(procs, running, statuses, "torn_down")
-            return False
-        if now > deadline:
-            _dump_and_stop(procs, running, statuses, "hung")
-            return True
-        time.sleep(_POLL_S)
-
-
-def _interrupted(
-    exc: BaseException, procs: list[subprocess.Popen], statuses: list[str], run_dir: Path
-) -> None:
-    running = [r for r in range(len(procs)) if statuses[r] == "running"]
-    with contextlib.suppress(BaseException):
-        _dump_and_stop(procs, running, statuses, "torn_down")
-        stacks = []
-        for rank in running:
-            with contextlib.suppress(OSError):
-                text = (run_dir / f"rank{rank}.stacks").read_text().strip()
-                stacks.append(f"rank {rank}:\n{text}")
-        if stacks and hasattr(exc, "add_note"):
-            exc.add_note(f"run_ranks was interrupted; rank logs in {run_dir}; stacks:\n" + "\n".join(stacks))
-
-
-def _dump_and_stop(procs: list[subprocess.Popen], ranks: list[int], statuses: list[str], status: str) -> None:
-    """Ask the given ranks for a faulthandler stack dump, then kill their process groups."""
-    for rank in ranks:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(procs[rank].pid, signal.SIGUSR1)
-    time.sleep(0.5)
-    for rank in ranks:
-        proctree.signal_group(procs[rank].pid, signal.SIGKILL)
-        statuses[rank] = status
-    for rank in ranks:
-        with contextlib.suppress(Exception):
-            procs[rank].wait(timeout=5)

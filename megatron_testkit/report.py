@@ -4,77 +4,73 @@
 rows; `build_report` adds the session header; the `format_*`/`write_report` functions render it.
 Nothing here imports pytest or torch, so it is cheap and unit-testable with plain objects.
 
-The JSON field names are a contract (``python -m ci repro --from-report`` reads them); version 1:
-``{"version", "session": {...}, "tests": [{"nodeid", "outcome", "duration_s", "world_size",
-"backend", "seed", "budget_host_bytes", "budget_device_bytes", "peak_host_bytes",
-"peak_device_bytes", "ranks": [...], "failure", "pytest_rss_before_bytes",
-"pytest_rss_after_bytes", "leaked_processes", "log_dir"}]}``.
+The JSON field names are a contract (``python -m ci repro --from-report`` reads them), defined
+once, typed and versioned, in `megatron_testkit.schema`; the renderers read that JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_testkit.budgets import format_size
-
-REPORT_VERSION = 1
-OUTCOMES = ("passed", "failed", "skipped", "error")
+from megatron_testkit.schema import OUTCOMES, REPORT_VERSION, Failure, RankPeak, Report, Run, TestEntry
 
 
 @dataclass
 class TestRow:
-    """One test's row; `runs` holds every `run_ranks` launch it made (as dicts)."""
+    """One test's row while its phases arrive; `runs` holds every `run_ranks` launch it made."""
 
     nodeid: str
     outcome: str = "passed"
     duration_s: float = 0.0
     budget_host_bytes: int | None = None
     budget_device_bytes: int | None = None
-    failure: dict[str, Any] | None = None
+    failure: Failure | None = None
     pytest_rss_before_bytes: int | None = None
     pytest_rss_after_bytes: int | None = None
     leaked_processes: int = 0
     worker: str | None = None
-    runs: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+
+    def entry(self) -> TestEntry:
+        """The row in the report's schema (runs folded into per-test and per-rank maxima)."""
+        ranks: dict[int, RankPeak] = {}
+        for run in self.runs:
+            for r in run.ranks:
+                row = ranks.setdefault(r.rank, RankPeak(r.rank))
+                row.peak_host_bytes = _max(row.peak_host_bytes, r.peak_host_bytes)
+                row.peak_device_bytes = _max(row.peak_device_bytes, r.peak_device_bytes)
+                row.exit_code, row.signal = r.exit_code, r.signal
+        last = self.runs[-1] if self.runs else None
+        log_dirs = [run.log_dir for run in self.runs if run.log_dir]
+        return TestEntry(
+            nodeid=self.nodeid,
+            outcome=self.outcome,
+            duration_s=round(self.duration_s, 4),
+            world_size=max((run.world_size for run in self.runs), default=0),
+            backend=last.backend if last else None,
+            seed=last.seed if last else None,
+            budget_host_bytes=self.budget_host_bytes,
+            budget_device_bytes=self.budget_device_bytes,
+            peak_host_bytes=_max_of(r.peak_host_bytes for r in ranks.values()),
+            peak_device_bytes=_max_of(r.peak_device_bytes for r in ranks.values()),
+            ranks=[ranks[k] for k in sorted(ranks)],
+            failure=self.failure,
+            pytest_rss_before_bytes=self.pytest_rss_before_bytes,
+            pytest_rss_after_bytes=self.pytest_rss_after_bytes,
+            leaked_processes=self.leaked_processes + sum(run.leaked_processes for run in self.runs),
+            log_dir=log_dirs[0] if log_dirs else None,
+            launches=len(self.runs),
+            worker=self.worker,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        """The row in the report's schema (runs folded into per-test and per-rank maxima)."""
-        ranks: dict[int, dict[str, Any]] = {}
-        for run in self.runs:
-            for r in run["ranks"]:
-                row = ranks.setdefault(
-                    r["rank"], {"rank": r["rank"], "peak_host_bytes": None, "peak_device_bytes": None}
-                )
-                for key in ("peak_host_bytes", "peak_device_bytes"):
-                    row[key] = _max(row[key], r.get(key))
-                row["exit_code"], row["signal"] = r.get("exit_code"), r.get("signal")
-        last = self.runs[-1] if self.runs else None
-        log_dirs = [run["log_dir"] for run in self.runs if run.get("log_dir")]
-        return {
-            "nodeid": self.nodeid,
-            "outcome": self.outcome,
-            "duration_s": round(self.duration_s, 4),
-            "world_size": max((run["world_size"] for run in self.runs), default=0),
-            "backend": last["backend"] if last else None,
-            "seed": last["seed"] if last else None,
-            "budget_host_bytes": self.budget_host_bytes,
-            "budget_device_bytes": self.budget_device_bytes,
-            "peak_host_bytes": _max_of(r["peak_host_bytes"] for r in ranks.values()),
-            "peak_device_bytes": _max_of(r["peak_device_bytes"] for r in ranks.values()),
-            "ranks": [ranks[k] for k in sorted(ranks)],
-            "failure": self.failure,
-            "pytest_rss_before_bytes": self.pytest_rss_before_bytes,
-            "pytest_rss_after_bytes": self.pytest_rss_after_bytes,
-            "leaked_processes": self.leaked_processes
-            + sum(run.get("leaked_processes", 0) for run in self.runs),
-            "log_dir": log_dirs[0] if log_dirs else None,
-            "launches": len(self.runs),
-            "worker": self.worker,
-        }
+        """The row as the report's JSON."""
+        return self.entry().to_json()
 
 
 def _max(a: int | None, b: int | None) -> int | None:
@@ -103,7 +99,7 @@ class ReportCollector:
         row = self.rows.setdefault(report.nodeid, TestRow(report.nodeid))
         row.duration_s += float(getattr(report, "duration", 0.0) or 0.0)
         kit = getattr(report, "kit", None) or {}
-        row.runs.extend(kit.get("runs", []))
+        row.runs.extend(Run.from_json(run) for run in kit.get("runs", []))
         for key in ("budget_host_bytes", "budget_device_bytes"):
             if kit.get(key) is not None:
                 setattr(row, key, kit[key])
@@ -115,7 +111,8 @@ class ReportCollector:
         row.worker = kit.get("worker") or row.worker
         outcome = _phase_outcome(report)
         if outcome in ("failed", "error") and row.outcome not in ("failed", "error"):
-            row.failure = kit.get("failure") or _failure_from_longrepr(report)
+            failure = kit.get("failure")
+            row.failure = Failure.from_json(failure) if failure else _failure_from_longrepr(report)
         row.outcome = _combine(row.outcome, outcome)
 
     def rows_json(self) -> list[dict[str, Any]]:
@@ -140,24 +137,28 @@ def _combine(current: str, new: str) -> str:
     return new if rank[new] > rank[current] else current
 
 
-def _failure_from_longrepr(report: Any) -> dict[str, Any]:
+def _failure_from_longrepr(report: Any) -> Failure:
     message = str(getattr(report, "longreprtext", "") or getattr(report, "longrepr", "") or "")
     crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
     first = getattr(crash, "message", None) or (message.strip().splitlines() or [""])[-1]
-    return {
-        "rank": None,
-        "kind": None,
-        "first_line": first.splitlines()[0] if first else "",
-        "message": message[-20000:],
-    }
+    return Failure(
+        rank=None, kind=None, first_line=first.splitlines()[0] if first else "", message=message[-20000:]
+    )
 
 
 def build_report(session: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The whole report: header (with outcome counts filled in from the rows) and rows."""
+    """The whole report as JSON: header (with outcome counts filled in from the rows) and rows.
+
+    The rows go through the schema (`Report.from_json`), so a row that does not fit it fails here,
+    where it is written, not in the CI job that reads it.
+    """
     counts = dict.fromkeys(OUTCOMES, 0)
     for row in rows:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
-    return {"version": REPORT_VERSION, "session": {**session, "outcome_counts": counts}, "tests": rows}
+    report = Report.from_json(
+        {"version": REPORT_VERSION, "session": {**session, "outcome_counts": counts}, "tests": rows}
+    )
+    return report.to_json()
 
 
 def rss_growth_line(report: dict[str, Any]) -> str:
@@ -266,20 +267,12 @@ def _md(text: str) -> str:
 
 
 def write_report(report: dict[str, Any], directory: str | os.PathLike) -> tuple[Path, Path]:
-    """Write ``kit-report.json`` and ``kit-report.md``; append the Markdown to the step summary."""
+    """Write ``kit-report.json`` and ``kit-report.md`` (the CI job, not the kit, puts the Markdown
+    in ``$GITHUB_STEP_SUMMARY``, once)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "kit-report.json", out / "kit-report.md"
     json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     markdown = format_markdown(report)
     md_path.write_text(markdown)
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary:
-        with open(summary, "a") as f:
-            f.write(markdown)
     return json_path, md_path
-
-
-def run_to_dict(run: Any) -> dict[str, Any]:
-    """A `RunSummary` as the plain dict xdist can carry."""
-    return asdict(run)

@@ -18,11 +18,11 @@ def run_in_torchrun(
     fn: Callable[..., Any], world_size: int, *, backend: str = "auto", args: Sequence[Any] = ()
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on this torchrun rank and all-gather the results."""
+    __tracebackhide__ = True
     import torch
     import torch.distributed as dist
 
-    from megatron_testkit.diagnosis import RankRecord, format_failure, root_cause
-    from megatron_testkit.ranks import RankFailure
+    from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause
 
     rank, job_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if job_size != world_size:
@@ -74,11 +74,12 @@ def _record(world_size: int, backend: str, started: float) -> None:
 
     from megatron_testkit import attribution
     from megatron_testkit.rank_worker import peak_device_bytes, peak_rss_bytes
+    from megatron_testkit.schema import RankPeak, Run
 
     test_id = attribution.current_test_id() or "torchrun"
     rank = int(os.environ["RANK"])
     attribution.record_run(
-        attribution.RunSummary(
+        Run(
             world_size=world_size,
             backend=f"{backend} (torchrun)",
             started=started,
@@ -86,13 +87,11 @@ def _record(world_size: int, backend: str, started: float) -> None:
             duration_s=time.time() - started,
             log_dir=None,
             ranks=[
-                {
-                    "rank": rank,
-                    "peak_host_bytes": peak_rss_bytes(),
-                    "peak_device_bytes": peak_device_bytes() if torch.cuda.is_available() else None,
-                    "exit_code": None,
-                    "signal": None,
-                }
+                RankPeak(
+                    rank=rank,
+                    peak_host_bytes=peak_rss_bytes(),
+                    peak_device_bytes=peak_device_bytes() if torch.cuda.is_available() else None,
+                )
             ],
         )
     )

@@ -1,0 +1,108 @@
+"""Checks a session's kit report for the shared-session contract: a flat pytest process, no leaks.
+
+The rank code runs in spawned processes, so across rank tests the pytest process should not grow,
+and no process should outlive its test. From a kit report (``--kit-report``) this checks that
+
+- across the rank tests after the first (which pays one-time imports) the pytest process' RSS
+  grows by less than `RANK_TEST_GROWTH_BOUND` in total (``pytest_rss_after_bytes -
+  pytest_rss_before_bytes`` summed),
+- from the first rank test to the end of the session it grows by less than `SPAN_BOUND`, and
+- every test ends with ``leaked_processes == 0``.
+
+``python -m megatron_testkit.session_check REPORT [BOUND_MIB [SPAN_BOUND_MIB]]`` prints a summary
+and exits 1 on a violation (CI runs it after a green tier).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+# Per-session bound on the pytest process' growth over rank tests, excluding the first rank test
+# (which imports torch.distributed pickling paths and tensorboard readers once).
+RANK_TEST_GROWTH_BOUND = 48 * MiB
+# From the first rank test to the end of the session (rank tests and everything between them).
+SPAN_BOUND = 64 * MiB
+
+
+def rank_test_growth(rows: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """(nodeid, pytest RSS after - before) of every test that launched ranks, in session order."""
+    out = []
+    for row in rows:
+        before, after = row.get("pytest_rss_before_bytes"), row.get("pytest_rss_after_bytes")
+        if row.get("world_size") and before is not None and after is not None:
+            out.append((row["nodeid"], after - before))
+    return out
+
+
+def span_growth(rows: list[dict[str, Any]]) -> int:
+    """pytest RSS from before the first rank test to after the last test (0 without rank tests).
+
+    Covers whatever runs in between (tests without ranks, fixtures, report hooks) as well."""
+    starts = [r for r in rows if r.get("world_size") and r.get("pytest_rss_before_bytes") is not None]
+    ends = [r for r in rows if r.get("pytest_rss_after_bytes") is not None]
+    if not starts or not ends:
+        return 0
+    return ends[-1]["pytest_rss_after_bytes"] - starts[0]["pytest_rss_before_bytes"]
+
+
+def check_report(
+    report: dict[str, Any], bound: int = RANK_TEST_GROWTH_BOUND, span_bound: int = SPAN_BOUND
+) -> list[str]:
+    """Violations of the shared-session contract in a kit report (empty when it holds)."""
+    problems = []
+    span = span_growth(report["tests"])
+    if span > span_bound:
+        problems.append(
+            f"pytest RSS grew {span / MiB:.1f} MiB from the first rank test to the end of the session "
+            f"(bound {span_bound / MiB:.0f} MiB)"
+        )
+    growth = rank_test_growth(report["tests"])
+    steady = sum(delta for _, delta in growth[1:])
+    if steady > bound:
+        worst = sorted(growth[1:], key=lambda g: -g[1])[:3]
+        problems.append(
+            f"pytest RSS grew {steady / MiB:.1f} MiB over {len(growth) - 1} rank tests after the first "
+            f"(bound {bound / MiB:.0f} MiB); largest: "
+            + ", ".join(f"{n} +{d / MiB:.1f} MiB" for n, d in worst)
+        )
+    for row in report["tests"]:
+        if row.get("leaked_processes"):
+            problems.append(f"{row['nodeid']} left {row['leaked_processes']} process(es) behind")
+    return problems
+
+
+def summary(report: dict[str, Any]) -> str:
+    """One line of figures for the session: growth, per-test maximum, leaks, RSS start/end."""
+    growth = rank_test_growth(report["tests"])
+    session = report["session"]
+    first = growth[0][1] if growth else 0
+    steady = sum(d for _, d in growth[1:])
+    worst = max((d for _, d in growth), default=0)
+    leaks = sum(row.get("leaked_processes") or 0 for row in report["tests"])
+    return (
+        f"{len(report['tests'])} tests, {len(growth)} with ranks; pytest RSS "
+        f"{session['pytest_rss_start_bytes'] / MiB:.0f} -> {session['pytest_rss_end_bytes'] / MiB:.0f} MiB; "
+        f"first rank test +{first / MiB:.1f} MiB, the others +{steady / MiB:.1f} MiB in total "
+        f"(largest single test +{worst / MiB:.1f} MiB); from the first rank test to the end "
+        f"+{span_growth(report['tests']) / MiB:.1f} MiB; leaked processes {leaks}"
+    )
+
+
+def main(argv: list[str]) -> int:
+    """``python -m functional.test_session_leaks REPORT [BOUND_MIB [SPAN_BOUND_MIB]]``: check a report."""
+    report = json.loads(Path(argv[0]).read_text())
+    bound = int(argv[1]) * MiB if len(argv) > 1 else RANK_TEST_GROWTH_BOUND
+    span_bound = int(argv[2]) * MiB if len(argv) > 2 else SPAN_BOUND
+    print(summary(report))
+    problems = check_report(report, bound, span_bound)
+    for p in problems:
+        print("VIOLATION:", p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
