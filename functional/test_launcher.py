@@ -151,7 +151,7 @@ SCENARIOS = textwrap.dedent(
         import megatron_testkit.ranks as ranks
         from megatron_testkit.budgets import MemoryBudget
 
-        monkeypatch.setattr(ranks, "_idle_footprint", None)  # as in a fresh worker: nothing known yet
+        monkeypatch.setattr(ranks.IDLE_FOOTPRINT, "bytes", None)  # as in a fresh worker: nothing known yet
         run_ranks(noop, 2, timeout=120, budget=MemoryBudget.parse(host="48MiB"))
 
 

@@ -27,7 +27,7 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -340,21 +340,6 @@ def _guarded(item: pytest.Item, mode: str) -> bool:
 def _default_group_initialised() -> bool:
     dist = sys.modules.get("torch.distributed")  # never import torch just to check
     return bool(dist is not None and dist.is_available() and dist.is_initialized())
-
-
-@pytest.fixture
-def rank_runner() -> Callable[..., list[Any]]:
-    """`megatron_testkit.ranks.run_ranks`, for tests that prefer a fixture to an import."""
-    from megatron_testkit.ranks import run_ranks
-
-    return run_ranks
-
-
-@pytest.fixture
-def memory_budget(request: pytest.FixtureRequest) -> MemoryBudget | None:
-    """The test's ``memory_budget`` marker as a `MemoryBudget` (None without the marker)."""
-    mark = request.node.get_closest_marker("memory_budget")
-    return MemoryBudget.from_marker(mark) if mark is not None else None
 
 
 # ---- the session report ----------------------------------------------------------------------

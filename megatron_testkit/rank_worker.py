@@ -166,7 +166,7 @@ class _Rank:
                     sys.stderr.write(f"rank {self.rank}: {message}\n")
                     self.write_record(
                         "failed",
-                        exc_type="fixtures.MemoryBudgetExceeded",
+                        exc_type="megatron_testkit.MemoryBudgetExceeded",
                         exc_message=message,
                         traceback=_main_thread_stack(),
                         kind_hint="oom",
@@ -222,7 +222,7 @@ def _classify_exception(exc: BaseException) -> str | None:
     return None
 
 
-def _device_cap(budget_device: int | None) -> int | None:
+def device_cap(budget_device: int | None) -> int | None:
     """The CUDA memory a rank may use: its budget, capped by the emulated CI card if one is set."""
     from megatron_testkit.budgets import parse_size
 
@@ -280,15 +280,15 @@ def run(spec: dict[str, Any], rank: int) -> None:
         backend = spec["backend"]
         # KIT_DEVICE_MEMORY is the CI card's memory (set by the GPU job rows of ci/jobs.py): a
         # bigger local GPU is capped to it even for tests without a device budget.
-        device_cap = _device_cap(budget_device)
-        if backend == "nccl" or (device_cap and torch.cuda.is_available()):
+        cap = device_cap(budget_device)
+        if backend == "nccl" or (cap and torch.cuda.is_available()):
             # One device per rank; the fraction makes a big GPU behave like the CI one (the
             # allocator raises OutOfMemoryError past it) and is set before anything allocates.
             local = rank % max(1, torch.cuda.device_count())
             torch.cuda.set_device(local)
-            if device_cap:
+            if cap:
                 total = torch.cuda.get_device_properties(local).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, device_cap / total), local)
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), local)
         from datetime import timedelta
 
         store = dist.FileStore(spec["store"], world_size)

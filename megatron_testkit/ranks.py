@@ -35,7 +35,9 @@ from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, 
 from megatron_testkit.schema import Run
 
 __all__ = [
+    "IDLE_FOOTPRINT",
     "BudgetBelowFootprint",
+    "IdleFootprint",
     "RankFailure",
     "choose_backend",
     "cuda_device_count",
@@ -134,9 +136,31 @@ class BudgetBelowFootprint(ValueError):
     """A host budget smaller than an idle rank's footprint: no test function can run within it."""
 
 
-# The smallest idle-rank footprint (Python + torch, before anything else) seen in this process:
-# a later launch with a host budget below it is refused before anything is spawned.
-_idle_footprint: int | None = None
+class IdleFootprint:
+    """The smallest idle-rank footprint (Python + torch, before anything else) seen in this process.
+
+    A later launch with a host budget below it is refused before anything is spawned.
+    """
+
+    def __init__(self) -> None:
+        self.bytes: int | None = None
+
+    def note(self, sizes: list[int]) -> None:
+        """Take the footprints the ranks of one launch reported."""
+        if sizes:
+            self.bytes = min([*sizes, self.bytes or min(sizes)])
+
+    def refuse_below(self, budget: MemoryBudget) -> None:
+        """Raise `BudgetBelowFootprint` for a host budget below the known footprint."""
+        if budget.host_bytes is not None and self.bytes is not None and budget.host_bytes < self.bytes:
+            raise BudgetBelowFootprint(
+                f"host memory budget {format_size(budget.host_bytes)} is below an idle rank's footprint "
+                f"({format_size(self.bytes)}: Python and torch, measured in this session's earlier "
+                f"launches) before the test's function would even start: raise memory_budget(host=...)"
+            )
+
+
+IDLE_FOOTPRINT = IdleFootprint()
 
 
 def _run_dir(test_id: str | None, log_root: str | None) -> tuple[Path, bool]:
@@ -281,7 +305,7 @@ class _Launch:
         if budget is None and context is not None:
             budget = context.budget
         self.budget = budget or MemoryBudget()
-        _refuse_budget_below_footprint(self.budget)
+        IDLE_FOOTPRINT.refuse_below(self.budget)
         self.world_size, self.timeout = world_size, timeout
         self.backend = choose_backend(backend, world_size)
         self.seed = attribution.seed_for(self.test_id)
@@ -443,10 +467,7 @@ class _Launch:
 
     def report(self, records: list[RankRecord], failure: BaseException | None, leaked: int) -> None:
         """Attribute the launch to the running test and keep or remove its directory."""
-        global _idle_footprint
-        idle = [r.extra.get("idle_host_bytes") for r in records if r.extra.get("idle_host_bytes")]
-        if idle:
-            _idle_footprint = min([*idle, _idle_footprint or min(idle)])
+        IDLE_FOOTPRINT.note([r.extra["idle_host_bytes"] for r in records if r.extra.get("idle_host_bytes")])
         attribution.record_run(
             Run(
                 world_size=self.world_size,
@@ -467,15 +488,6 @@ class _Launch:
             # results, which can be large.
             for path in [self.run_dir / "payload.pkl", *self.run_dir.glob("rank*.result")]:
                 path.unlink(missing_ok=True)
-
-
-def _refuse_budget_below_footprint(budget: MemoryBudget) -> None:
-    if budget.host_bytes is not None and _idle_footprint is not None and budget.host_bytes < _idle_footprint:
-        raise BudgetBelowFootprint(
-            f"host memory budget {format_size(budget.host_bytes)} is below an idle rank's footprint "
-            f"({format_size(_idle_footprint)}: Python and torch, measured in this session's earlier "
-            f"launches) before the test's function would even start: raise memory_budget(host=...)"
-        )
 
 
 def _refuse_if_failed_at_startup(root: RankRecord, budget: MemoryBudget) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit.budgets import format_size
+from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.schema import OUTCOMES, REPORT_VERSION, Failure, RankPeak, Report, Run, TestEntry
 
 
@@ -180,11 +180,7 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     for row in report["tests"]:
         if not row["world_size"] and row["budget_host_bytes"] is None and row["budget_device_bytes"] is None:
             continue
-        budget = ", ".join(
-            f"{side} {format_size(row[f'budget_{side}_bytes'])}"
-            for side in ("host", "device")
-            if row[f"budget_{side}_bytes"] is not None
-        )
+        budget = MemoryBudget(row["budget_host_bytes"], row["budget_device_bytes"]).describe()
         outcome = row["outcome"]
         if row["failure"] and row["failure"].get("kind"):
             outcome += f" (rank {row['failure']['rank']} {row['failure']['kind']})"
@@ -196,7 +192,7 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
                 f"{row['duration_s']:.1f}s",
                 format_size(row["peak_host_bytes"]),
                 format_size(row["peak_device_bytes"]),
-                budget or "-",
+                budget,
                 outcome,
             )
         )

@@ -115,10 +115,10 @@ def test_format_size_picks_a_readable_unit() -> None:
     ],
 )
 def test_device_cap_is_the_smaller_of_budget_and_emulated_card(monkeypatch, budget, card, expected):
-    from fixtures.rank_worker import _device_cap
+    from fixtures.rank_worker import device_cap
 
     if card is None:
         monkeypatch.delenv("KIT_DEVICE_MEMORY", raising=False)
     else:
         monkeypatch.setenv("KIT_DEVICE_MEMORY", card)
-    assert _device_cap(budget) == expected
+    assert device_cap(budget) == expected

@@ -163,3 +163,46 @@ def test_write_report_writes_both_files_and_leaves_the_step_summary_to_the_ci_jo
     assert json.loads(json_path.read_text()) == json.loads(json.dumps(report))
     assert md_path.read_text().startswith("## Kit report")
     assert summary.read_text() == "earlier step\n"
+
+
+def test_the_schema_is_the_report_contract_and_round_trips() -> None:
+    from megatron_testkit.schema import REPORT_VERSION, Report, TestEntry
+
+    rows = collect(
+        phase("t.py::a", "setup", pytest_rss_before_bytes=1, budget_host_bytes=2**30),
+        phase("t.py::a", "call", "failed", runs=[run(2, [10, 50])], failure={"rank": 1, "kind": "oom"}),
+        phase("t.py::a", "teardown", pytest_rss_after_bytes=2),
+    )
+    report = report_of(rows)
+    # The field names written are the schema's, the same the contract (TEST_KEYS) lists.
+    assert set(report["tests"][0]) == {f for f in TestEntry.__dataclass_fields__}
+    assert set(report["tests"][0]) >= TEST_KEYS
+    assert report["version"] == REPORT_VERSION == 1
+    parsed = Report.from_json(json.loads(json.dumps(report)))
+    assert parsed.to_json() == report
+    assert parsed.tests[0].failure is not None and (
+        parsed.tests[0].failure.rank,
+        parsed.tests[0].failure.kind,
+    ) == (1, "oom")
+    assert [r.peak_host_bytes for r in parsed.tests[0].ranks] == [10, 50]
+
+
+@pytest.mark.parametrize(
+    ("broken", "says"),
+    [
+        ({"version": 2, "session": {}, "tests": []}, "not a version-1 kit report (version: 2)"),
+        ({"version": 1, "session": {}, "tests": {}}, "no 'tests' list"),
+        ({"version": 1, "session": [], "tests": []}, "'session' is not an object"),
+        ({"version": 1, "tests": [{"outcome": "passed"}]}, "tests[0] has no 'nodeid' and 'outcome'"),
+        (
+            {"version": 1, "tests": [{"nodeid": "a", "outcome": "failed", "ranks": [{"peak": 1}]}]},
+            "tests[0].ranks[0] has no integer 'rank'",
+        ),
+    ],
+)
+def test_a_report_outside_the_schema_is_refused_saying_where(broken: dict, says: str) -> None:
+    from megatron_testkit.schema import Report, SchemaError
+
+    with pytest.raises(SchemaError) as excinfo:
+        Report.from_json(broken)
+    assert str(excinfo.value) == says

@@ -58,7 +58,7 @@ def test_only_knock_ons_still_name_the_earliest() -> None:
             None,
             "oom",
         ),
-        ("fixtures.MemoryBudgetExceeded", "host memory budget exceeded", "oom", "oom"),
+        ("megatron_testkit.MemoryBudgetExceeded", "host memory budget exceeded", "oom", "oom"),
         ("ValueError", "bad shard", None, "error"),
         ("RuntimeError", "Timed out waiting 10000ms for recv operation to complete", None, "hang"),
         (None, "", None, "crash"),
