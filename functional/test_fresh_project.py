@@ -271,3 +271,25 @@ def test_a_rank_function_in_a_script_run_as_main_works_as_with_mp_spawn(tmp_path
     # `if __name__ == "__main__"` block ran once, in the launching process only.
     assert "results [(20, '__mp_main__'), (21, '__mp_main__')]" in result.stdout
     assert (tmp_path / "main_block_runs.txt").read_text() == "ran\n"
+
+
+KIT_MODULES = (
+    "ranks",
+    "rank_worker",
+    "diagnosis",
+    "proctree",
+    "budgets",
+    "report",
+    "plugin",
+    "torchrun",
+    "attribution",
+    "collectives",
+)
+
+
+@pytest.mark.parametrize("name", KIT_MODULES)
+def test_in_this_repo_fixtures_names_are_the_kit_modules_themselves(name: str) -> None:
+    # One module object under both names: a monkeypatch through either is seen by both.
+    import importlib
+
+    assert importlib.import_module(f"fixtures.{name}") is importlib.import_module(f"megatron_testkit.{name}")
