@@ -344,12 +344,13 @@ def execute(p: Plan, limit_method: str) -> int:
             _say(f"FAILED {kill.nodeid}: rank {kill.rank} oom: {kill.reason}")
     usage = ""
     if limit.limit_bytes is not None:
-        usage = f"peak {format_size(peak)}" if peak is not None else "peak not measured by the kernel"
-        killed = f", kernel OOM kills {oom_count}" if oom_count is not None else ""
-        enforced = f", ranks killed over the limit {len(kills)}" if limit.method == "env" else ""
-        usage = (
-            f"ranks' memory ({limit.method}): {usage} of {format_size(limit.limit_bytes)}{killed}{enforced}"
-        )
+        if limit.method == "env":
+            usage = f"limit {format_size(limit.limit_bytes)} on the ranks' summed RSS, ranks killed over it {len(kills)}"
+        else:
+            measured = f"peak {format_size(peak)}" if peak is not None else "peak not measured"
+            killed = f", kernel OOM kills {oom_count}" if oom_count is not None else ""
+            usage = f"{measured} of {format_size(limit.limit_bytes)}{killed}"
+        usage = f"ranks' memory ({limit.method}): {usage}"
         _say(usage)
         if limit.leftovers:
             _say(f"{limit.leftovers} process(es) outlived the run in the limit's group and were killed")
