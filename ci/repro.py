@@ -350,7 +350,7 @@ def execute(p: Plan, limit_method: str) -> int:
             measured = f"peak {format_size(peak)}" if peak is not None else "peak not measured"
             killed = f", kernel OOM kills {oom_count}" if oom_count is not None else ""
             usage = f"{measured} of {format_size(limit.limit_bytes)}{killed}"
-        usage = f"ranks' memory ({limit.method}): {usage}"
+        usage = f"runner memory ({limit.method}, on the ranks): {usage}"
         _say(usage)
         if limit.leftovers:
             _say(f"{limit.leftovers} process(es) outlived the run in the limit's group and were killed")

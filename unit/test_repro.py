@@ -510,7 +510,7 @@ def test_the_printed_report_path_exists_even_when_pytest_wrote_none(tmp_path: Pa
     md = tmp_path / "reports" / "kit-report.md"
     limit = apply_memory_limit(700 * MiB, "env")
     kill = Kill("t::grows", 1, 2, 4242, "the ranks' summed RSS 701 MiB exceeded ...")
-    repro._note_in_markdown(md, -9, limit, [kill], "ranks' memory (env): ...")
+    repro._note_in_markdown(md, -9, limit, [kill], "runner memory (env, on the ranks): ...")
     text = md.read_text()
     assert "pytest exited with -9 and wrote no report" in text
     assert "### Runner memory limit (env)" in text and "`t::grows`: rank 1 oom: the ranks' summed RSS" in text
