@@ -21,7 +21,7 @@ import pytest
 
 from ci.jobs import ROOT
 
-pytestmark = pytest.mark.L0
+# Each test carries its tier: the runner-limit runs are L1, the rest L0.
 
 PLANTED = textwrap.dedent(
     """
@@ -94,6 +94,7 @@ def ci_run(project: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, A
     return result, json.loads(report_path.read_text())
 
 
+@pytest.mark.L0
 def test_a_planted_oom_on_one_rank_is_reported_as_such(ci_run: tuple[Any, dict[str, Any]]) -> None:
     result, report = ci_run
     assert result.returncode == 1, result.stderr
@@ -120,6 +121,7 @@ def test_a_planted_oom_on_one_rank_is_reported_as_such(ci_run: tuple[Any, dict[s
     assert report["session"]["markexpr"] == "L0"
 
 
+@pytest.mark.L0
 def test_a_rerun_from_the_report_reruns_only_the_failed_tests(
     project: Path, ci_run: tuple[Any, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -151,6 +153,7 @@ def test_a_rerun_from_the_report_reruns_only_the_failed_tests(
     assert lines[at + 2].split()[:4] == ["local:", "failed", "error", "AssertionError:"]
 
 
+@pytest.mark.L0
 def test_a_stale_id_in_the_report_is_named_and_the_other_failures_rerun(
     project: Path, ci_run: tuple[Any, dict[str, Any]], tmp_path: Path
 ) -> None:
