@@ -434,11 +434,27 @@ def run(argv: list[str]) -> int:
     _say(
         f"runner memory {p.host or '-'}; per-GPU memory {p.device or '-'}; GPUs {p.gpus} (visible here: {_visible_gpus()})"
     )
+    installed = _installed_megatron_core()
+    if installed != job.megatron_core:
+        _say(
+            f"note: row {job.name} runs megatron-core {job.megatron_core}, this Python has {installed or 'none'}; "
+            f"for that release: KIT_MEGATRON_CORE={job.megatron_core} KIT_VENV=.venv-{job.megatron_core} "
+            f"bash ci/setup.sh, then .venv-{job.megatron_core}/bin/python -m ci repro ..."
+        )
     if args.dry_run:
         _say("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.variables.items())))
         _say(shlex.join(p.command))
         return 0
     return execute(p, args.limit_method)
+
+
+def _installed_megatron_core() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _counts(report: dict[str, Any]) -> str:
