@@ -38,6 +38,7 @@ from fixtures.budgets import format_size
 METHODS = ("cgroup2", "cgroup1", "systemd-run", "env")
 RANK_ARG = re.compile(r"^kit-rank-(\d+)-of-(\d+)$")
 POLL_S = 0.02
+RANK_CGROUP_ENV = "KIT_RANK_CGROUP"  # the ranks' group, for a launcher that joins it at rank start
 
 
 # --- the env method's decision, pure ------------------------------------------------------------

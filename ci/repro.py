@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ci.jobs import DEVICE_MEMORY_ENV, HOST_MEMORY_ENV, JOBS, ROOT, TIERS, Job, job_for, pytest_args
-from ci.limits import METHODS, Kill, MemoryLimit, apply_memory_limit
+from ci.limits import METHODS, RANK_CGROUP_ENV, Kill, MemoryLimit, apply_memory_limit
 from ci.verdicts import (
     ReportError,
     Verdict,
@@ -262,7 +262,12 @@ def plan(args: argparse.Namespace) -> Plan | None:
 
 def run_limited(p: Plan, limit: MemoryLimit) -> tuple[int, list[Kill]]:
     """pytest outside the limit, its ranks inside it (moved there as they start); exit code, kills."""
-    proc = subprocess.Popen(p.command, cwd=p.root, env=environment(p.variables))
+    env = environment(p.variables)
+    if limit.cgroup is not None:
+        # For a launcher that joins the group itself at rank start (no adoption window) and reads
+        # its counters for the verdict; the watcher below does both meanwhile.
+        env[RANK_CGROUP_ENV] = str(limit.cgroup)
+    proc = subprocess.Popen(p.command, cwd=p.root, env=env)
     watcher = limit.watch(proc.pid) if limit.limit_bytes is not None else None
     try:
         returncode = proc.wait()
