@@ -1,10 +1,12 @@
 """The CI jobs as data: one row per job, read by the workflows and by `python -m ci repro`.
 
-Every GitHub workflow step that runs tests is literally `python3 -m ci job <name>`, which runs the
-row's command with the row's environment; `python -m ci repro` builds its pytest command and
-environment from the same row. A test (`unit/test_workflows.py`) checks that each workflow job
-calls exactly one row and agrees with it on runner labels, container and timeout, so the CI job
-and its local reproduction cannot drift apart.
+Every GitHub workflow job calls the reusable `.github/workflows/kit-job.yml` with a row's name,
+whose test step is literally `python3 -m ci job <name>`: the row's command with the row's
+environment (its megatron-core release in KIT_MEGATRON_CORE), then the kit report and its memory
+chart appended to the job summary once. `python -m ci repro` builds its pytest command and
+environment from the same row. `unit/test_workflows.py` checks that each caller passes exactly
+one row and agrees with it on runner labels, container, Python and timeout, so the CI job and
+its local reproduction cannot drift apart.
 
 Stdlib only: the workflow runs this before the kit's dependencies are installed.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +24,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TIERS = ("L0", "L1", "L2")
 
-# Names the kit's plugin and rank launcher read (proposed in the CI issue's report):
+# Names the kit's plugin and rank launcher read:
 HOST_MEMORY_ENV = "KIT_HOST_MEMORY"  # the runner's memory for the whole run, e.g. "7GB"
 DEVICE_MEMORY_ENV = "KIT_DEVICE_MEMORY"  # per-GPU cap emulating the CI card, e.g. "40GiB"
+REQUIRE_GPUS_ENV = "KIT_REQUIRE_GPUS"  # a GPU test skipped for want of GPUs fails instead
+MEGATRON_CORE_ENV = "KIT_MEGATRON_CORE"  # the megatron-core release ci/setup.sh installs
+JOB_ENV = "KIT_CI_JOB"  # the row's name, so a report (and `repro --from-report`) knows its row
+
+# The supported megatron-core releases: the newest is what L0 runs (what users train with), the
+# oldest runs in L1. 0.17+ need Python 3.12; 0.16.1 is the last release that installs on 3.11.
+MEGATRON_NEWEST = "0.19.2"
+MEGATRON_OLDEST = "0.16.1"
+# setup-python's version on GitHub's runners (the GPU container brings its own 3.12).
+RUNNER_PYTHON = "3.12"
 
 # GitHub's standard Linux runner for private repositories: 2 cores, 7 GB (what L0 must fit).
 CPU_RUNNER = ("ubuntu-latest",)
@@ -63,51 +77,85 @@ _GPU_ENV = {
 
 @dataclass(frozen=True)
 class Job:
-    """One CI job: which tier it runs, where, under which limits and environment."""
+    """One CI job: which tier it runs, where, on which megatron-core, under which limits and environment.
+
+    `markexpr` is the pytest mark expression (the tier, or `<tier> and gpu` on the GPU rows: the
+    CPU/gloo tests run in the CPU job, never over NCCL). `python` is setup-python's version on a
+    GitHub runner (None in a container, which brings its own).
+    """
 
     name: str
     tier: str
     runs_on: tuple[str, ...]
     timeout_minutes: int
+    megatron_core: str = MEGATRON_NEWEST
     gpus: int = 0
     container: str | None = None
+    python: str | None = RUNNER_PYTHON
+    lint: bool = False
     host_memory: str | None = None
     device_memory: str | None = None
+    markexpr: str = ""
     env: Mapping[str, str] = field(default_factory=dict)
     pytest_args: tuple[str, ...] = _COMMON_PYTEST_ARGS
 
+    @property
+    def select(self) -> str:
+        """The mark expression the job runs (its tier unless the row narrows it)."""
+        return self.markexpr or self.tier
+
+    @property
+    def job_id(self) -> str:
+        """The workflow job id calling this row (GitHub ids allow no dots: 0.16.1 -> 0_16_1)."""
+        return self.name.replace(".", "_")
+
     def environment(self, reports: Path) -> dict[str, str]:
-        """The variables this job sets, with `{reports}` resolved and the memory limits included."""
+        """The variables this job sets, with `{reports}` resolved and the limits and release included."""
         env = {key: value.replace("{reports}", str(reports)) for key, value in self.env.items()}
+        env[JOB_ENV] = self.name
+        env[MEGATRON_CORE_ENV] = self.megatron_core
+        if self.gpus:
+            env[REQUIRE_GPUS_ENV] = str(self.gpus)
         if self.host_memory is not None:
             env[HOST_MEMORY_ENV] = self.host_memory
         if self.device_memory is not None:
             env[DEVICE_MEMORY_ENV] = self.device_memory
         return env
 
+    def extra_pytest_args(self) -> list[str]:
+        """What the job adds to `ci/test.sh <tier>`: its narrower selection (a later -m wins), its args."""
+        narrowed = ["-m", self.select] if self.select != self.tier else []
+        return [*narrowed, *self.pytest_args]
+
     def command(self) -> list[str]:
         """What the workflow step runs: the README's command for this tier, plus the job's args."""
-        return ["bash", "ci/test.sh", self.tier, *self.pytest_args]
+        return ["bash", "ci/test.sh", self.tier, *self.extra_pytest_args()]
 
 
-def _row(tier: str, kind: str, timeout_minutes: int) -> Job:
+def _row(tier: str, kind: str, timeout_minutes: int, megatron_core: str = MEGATRON_NEWEST) -> Job:
+    suffix = "" if megatron_core == MEGATRON_NEWEST else f"-mcore-{megatron_core}"
     if kind == "cpu":
         return Job(
-            name=f"{tier}-cpu",
+            name=f"{tier}-cpu{suffix}",
             tier=tier,
             runs_on=CPU_RUNNER,
             timeout_minutes=timeout_minutes,
+            megatron_core=megatron_core,
+            lint=tier == "L0",
             host_memory="7GB",
             env={**_COMMON_ENV, **_CPU_ENV},
         )
     return Job(
-        name=f"{tier}-gpu",
+        name=f"{tier}-gpu{suffix}",
         tier=tier,
         runs_on=GPU_RUNNER,
         timeout_minutes=timeout_minutes,
+        megatron_core=megatron_core,
         gpus=2,
         container=GPU_CONTAINER,
+        python=None,
         device_memory="40GiB",
+        markexpr=f"{tier} and gpu",
         env={**_COMMON_ENV, **_GPU_ENV},
     )
 
@@ -118,6 +166,7 @@ JOBS: dict[str, Job] = {
         _row("L0", "cpu", 30),
         _row("L0", "gpu", 45),
         _row("L1", "cpu", 90),
+        _row("L1", "cpu", 90, MEGATRON_OLDEST),
         _row("L1", "gpu", 90),
         _row("L2", "cpu", 180),
         _row("L2", "gpu", 180),
@@ -125,11 +174,17 @@ JOBS: dict[str, Job] = {
 }
 
 
-def job_for(tier: str, gpus: int) -> Job:
-    """The row `repro` emulates: the GPU job of `tier` when GPUs are asked for, else the CPU one."""
+def job_for(tier: str, gpus: int, megatron_core: str | None = None) -> Job:
+    """The row `repro` emulates: the GPU or CPU job of `tier`, on `megatron_core` (default the newest)."""
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
-    return JOBS[f"{tier}-{'gpu' if gpus > 0 else 'cpu'}"]
+    kind = "gpu" if gpus > 0 else "cpu"
+    release = megatron_core or MEGATRON_NEWEST
+    for job in JOBS.values():
+        if job.tier == tier and (job.gpus > 0) == (gpus > 0) and job.megatron_core == release:
+            return job
+    rows = sorted(j.name for j in JOBS.values() if j.tier == tier)
+    raise ValueError(f"no {kind} row of tier {tier} runs megatron-core {release}: rows are {', '.join(rows)}")
 
 
 def pytest_args(job: Job, reports: Path | str) -> list[str]:
@@ -142,7 +197,13 @@ def pytest_args(job: Job, reports: Path | str) -> list[str]:
     session run without pyproject.toml's settings (rootdir = the report directory).
     """
     reports = str(reports)
-    return ["-m", job.tier, f"--kit-report={reports}", f"--junitxml={reports}/junit.xml", *job.pytest_args]
+    return [
+        "-m",
+        job.tier,
+        f"--kit-report={reports}",
+        f"--junitxml={reports}/junit.xml",
+        *job.extra_pytest_args(),
+    ]
 
 
 def describe(job: Job, reports: Path) -> str:
@@ -151,16 +212,76 @@ def describe(job: Job, reports: Path) -> str:
     return f"{env} {shlex.join(job.command())}"
 
 
+def summary_markdown(job: Job, reports: Path) -> str:
+    """What the job appends to GitHub's step summary, once: the kit report, its memory chart, how to rerun."""
+    from ci.charts import memory_charts_markdown
+
+    md = reports / "kit-report.md"
+    parts = [
+        md.read_text()
+        if md.is_file()
+        else f"## Kit report\n\nNo kit report: the job stopped before the kit wrote {md.name}.\n"
+    ]
+    charts = memory_charts_markdown(reports / "kit-report.json")
+    if charts:
+        parts.append(charts)
+    if job.gpus:
+        dumps = sum(1 for _ in reports.rglob("nccl_flight_recorder_rank*"))
+        parts.append(f"NCCL flight-recorder dumps: {dumps}\n")
+    parts.append(
+        f"Reproduce locally: download the `kit-reports-{job.name}` artifact, then "
+        "`python -m ci repro --from-report kit-report.json`\n"
+    )
+    return "\n".join(parts)
+
+
 def run_job(name: str, *, dry_run: bool = False) -> int:
-    """Run job `name` as the workflow does (replacing this process); return 2 for an unknown name."""
+    """Run job `name` as the workflow does and return its exit code (2 for an unknown name).
+
+    Afterwards the report, the memory chart and the repro line go to `$GITHUB_STEP_SUMMARY` (when
+    set) exactly once, whatever the tests did; the memory chart's PNG goes to reports/ when
+    matplotlib is installed.
+    """
     job = JOBS.get(name)
     if job is None:
-        print(f"ci job: unknown job {name!r}: expected one of {', '.join(JOBS)}", flush=True)
+        print(f"ci job: unknown job {name!r}: expected one of {', '.join(JOBS)}", file=sys.stderr, flush=True)
         return 2
     reports = ROOT / "reports"
     print(f"ci job {job.name}: {describe(job, reports)}", flush=True)
     if dry_run:
         return 0
     (reports / "nccl").mkdir(parents=True, exist_ok=True)
-    os.chdir(ROOT)
-    os.execvpe(job.command()[0], job.command(), {**os.environ, **job.environment(reports)})
+    for stale in ("kit-report.json", "kit-report.md"):
+        (reports / stale).unlink(missing_ok=True)  # a previous run's report is not this run's
+    try:
+        returncode = subprocess.run(
+            job.command(), cwd=ROOT, env={**os.environ, **job.environment(reports)}
+        ).returncode
+    except KeyboardInterrupt:
+        returncode = 130
+    from ci.charts import write_png
+
+    print(
+        f"ci job {job.name}: {write_png(reports / 'kit-report.json', reports / 'kit-memory.png')}", flush=True
+    )
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        append_summary(job, reports, Path(summary))
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def append_summary(job: Job, reports: Path, summary: Path) -> None:
+    """Append `summary_markdown` to the step summary file (the only writer of the kit report there)."""
+    with open(summary, "a") as f:
+        f.write(summary_markdown(job, reports))
+
+
+def run_setup(name: str) -> int:
+    """`ci job NAME --setup`: only `ci/setup.sh`, with the row's environment (its megatron-core)."""
+    job = JOBS.get(name)
+    if job is None:
+        print(f"ci job: unknown job {name!r}: expected one of {', '.join(JOBS)}", file=sys.stderr, flush=True)
+        return 2
+    env = {**os.environ, **job.environment(ROOT / "reports")}
+    print(f"ci job {job.name}: {MEGATRON_CORE_ENV}={job.megatron_core} bash ci/setup.sh", flush=True)
+    return subprocess.run(["bash", "ci/setup.sh"], cwd=ROOT, env=env).returncode

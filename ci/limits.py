@@ -1,36 +1,81 @@
-"""The CI runner's memory limit, applied to a whole local run (pytest and every rank it spawns).
+"""The CI runner's memory limit, held by the ranks of a local run, never by the pytest process.
 
-A CI job gets killed when pytest plus all its ranks exceed the runner's memory; per-rank budgets
-alone cannot reproduce that. In order of preference:
+A CI job dies when its processes exceed the runner's memory; per-rank budgets alone cannot
+reproduce that. The ranks of every `run_ranks` launch of the run share one limit; pytest stays
+outside it, so it always survives to write the report. In order of preference:
 
-1. ``cgroup v2``: a child cgroup of ours with ``memory.max`` (and no swap), where the unified
-   hierarchy has the memory controller and we may create cgroups (root, or a delegated subtree);
-2. ``cgroup v1``: the same with ``memory.limit_in_bytes`` on a v1 memory hierarchy;
-3. ``systemd-run``: a transient scope with ``MemoryMax`` when a systemd manager answers;
-4. ``env``: nothing enforces the whole run; the size is passed in ``KIT_HOST_MEMORY`` for the
-   plugin to clamp per-rank budgets.
+1. ``cgroup2``: a child cgroup of ours with ``memory.max`` (no swap), where the unified hierarchy
+   has the memory controller and we may create cgroups (root, or a delegated subtree);
+2. ``cgroup1``: the same with ``memory.limit_in_bytes`` on a v1 memory hierarchy;
+3. ``systemd-run``: a transient scope with ``MemoryMax``, held open by a placeholder process;
+4. ``env``: no kernel limit; the ranks' summed RSS is checked against the limit every few ms and
+   the rank that pushed it over is killed and named `oom` (the kit enforces it itself).
 
-The chosen method is reported, never silently downgraded. The cgroup methods also give the run's
-peak memory and the number of kernel OOM kills, which `repro` prints next to the limit.
+A `RankWatcher` finds the ranks among pytest's descendants (the launcher names them
+``kit-rank-R-of-W`` on their command line) and moves each into the group as soon as it appears,
+knowing from its environment which test launched it. A kernel OOM kill in the group is read from
+the group's own counters (v2 ``memory.events`` oom_kill, v1 ``memory.oom_control`` oom_kill, else
+a ``memory.failcnt`` rise) and pinned on the rank that died with it. The group is removed once its
+last process has exited. The chosen method is reported, never silently downgraded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import signal
 import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fixtures.budgets import format_size
 
 METHODS = ("cgroup2", "cgroup1", "systemd-run", "env")
+RANK_ARG = re.compile(r"^kit-rank-(\d+)-of-(\d+)$")
+POLL_S = 0.02
+RANK_CGROUP_ENV = "KIT_RANK_CGROUP"  # the ranks' group, for a launcher that joins it at rank start
+
+
+# --- the env method's decision, pure ------------------------------------------------------------
+
+
+def rank_over_limit(previous: Mapping[int, int], current: Mapping[int, int], limit_bytes: int) -> int | None:
+    """The rank that pushed the ranks' summed RSS over `limit_bytes`, or None while the sum fits.
+
+    `previous` and `current` are RSS samples (rank -> bytes) of the running ranks one poll apart.
+    The culprit is the rank that grew most since the previous sample (a rank absent there grew
+    from 0); a tie goes to the larger RSS, then the lower rank. With nothing grown (a sum already
+    over at the first sample), the largest rank is named: it is what the kernel's OOM killer picks.
+    """
+    if sum(current.values()) <= limit_bytes:
+        return None
+    if not current:
+        return None
+    return max(sorted(current), key=lambda r: (current[r] - previous.get(r, 0), current[r], -r))
+
+
+# --- the group ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kill:
+    """A rank the limit killed: which test, which rank, and what the group's counters said."""
+
+    nodeid: str | None
+    rank: int
+    world_size: int
+    pid: int
+    reason: str
 
 
 @dataclass
 class MemoryLimit:
-    """A memory limit ready to wrap a command; `close()` removes what it created."""
+    """A memory limit for the ranks of a run; `close()` removes what it created."""
 
     method: str
     limit_bytes: int | None
@@ -38,49 +83,102 @@ class MemoryLimit:
     cgroup: Path | None = None
     prefix: list[str] = field(default_factory=list)
     tried: list[str] = field(default_factory=list)
+    holder: subprocess.Popen | None = None  # systemd-run's placeholder process
+    leftovers: int = 0
 
     def wrap(self, command: list[str]) -> list[str]:
-        """The command to run so that it, and everything it starts, is inside the limit."""
+        """`command` run entirely inside the group (for a single process; `repro` uses `watch`)."""
         if self.cgroup is not None:
             # The shell moves itself into the cgroup before exec'ing the command: no process of
-            # the run ever starts outside it, and no preexec_fn runs in a forked Python.
+            # the command ever starts outside it, and no preexec_fn runs in a forked Python.
             procs = self.cgroup / "cgroup.procs"
             return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *command]
         return [*self.prefix, *command]
 
+    def adopt(self, pid: int) -> None:
+        """Move process `pid` into the group (OSError when it has exited or we may not)."""
+        if self.cgroup is not None:
+            (self.cgroup / "cgroup.procs").write_text(str(pid))
+
+    def watch(self, root_pid: int) -> RankWatcher:
+        """Start moving the ranks among `root_pid`'s descendants into the limit (see `RankWatcher`)."""
+        watcher = RankWatcher(self, root_pid)
+        watcher.start()
+        return watcher
+
     def peak_bytes(self) -> int | None:
-        """The run's peak memory as the cgroup counted it (None without a cgroup)."""
+        """The group's peak memory as the kernel counted it (None without a cgroup)."""
         name = {"cgroup2": "memory.peak", "cgroup1": "memory.max_usage_in_bytes"}.get(self.method)
+        if self.method == "systemd-run":
+            name = "memory.peak" if (self.cgroup and (self.cgroup / "memory.peak").exists()) else None
         return _read_int(self.cgroup / name) if self.cgroup is not None and name else None
 
     def oom_kills(self) -> int | None:
-        """Processes the kernel killed for exceeding the limit (None without a cgroup)."""
+        """Processes the kernel killed for exceeding the limit (None when the group cannot say)."""
         if self.cgroup is None:
             return None
-        name = "memory.events" if self.method == "cgroup2" else "memory.oom_control"
-        try:
-            for line in (self.cgroup / name).read_text().splitlines():
+        for name in ("memory.events", "memory.oom_control"):
+            try:
+                text = (self.cgroup / name).read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
                 key, _, value = line.partition(" ")
                 if key == "oom_kill":
                     return int(value)
-        except OSError:
-            return None
-        return 0
+        return None
+
+    def failcnt(self) -> int | None:
+        """v1's count of allocations that hit the limit (the fallback where oom_kill is not kept)."""
+        return _read_int(self.cgroup / "memory.failcnt") if self.cgroup is not None else None
 
     def describe(self) -> str:
         """One line: the method, the size and where, with the methods that were not available."""
         if self.limit_bytes is None:
             return "no runner memory limit (this job defines none)"
-        text = f"{format_size(self.limit_bytes)} for the whole run via {self.method} ({self.detail})"
+        text = f"{format_size(self.limit_bytes)} for the ranks of the run via {self.method} ({self.detail})"
         if self.tried:
             text += f"; unavailable: {'; '.join(self.tried)}"
         return text
 
-    def close(self) -> None:
-        """Remove the cgroup (all its processes have exited by now)."""
-        if self.cgroup is not None:
+    def pids(self) -> list[int]:
+        """The processes in the group now."""
+        if self.cgroup is None:
+            return []
+        try:
+            return [int(x) for x in (self.cgroup / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            return []
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Remove the group once its last process has exited; a process still in it after
+        `wait_s` (a rank that outlived its launcher) is killed first and counted in `leftovers`."""
+        if self.holder is not None:
             with contextlib.suppress(OSError):
+                self.holder.kill()
+            with contextlib.suppress(Exception):
+                self.holder.wait(timeout=5)
+        if self.cgroup is None or self.method == "systemd-run":
+            return  # systemd removes an empty transient scope itself
+        deadline = time.monotonic() + wait_s
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.pids()
+        self.leftovers = len(left)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
                 self.cgroup.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.05)
 
 
 def _read_int(path: Path) -> int | None:
@@ -104,10 +202,10 @@ def _mounts() -> list[tuple[str, str, set[str]]]:
     return out
 
 
-def _own_cgroup(controller: str | None) -> str | None:
-    """Our path in the v2 hierarchy (controller None) or in the v1 hierarchy of `controller`."""
+def _own_cgroup(controller: str | None, pid: int | str = "self") -> str | None:
+    """A process's path in the v2 hierarchy (controller None) or in the v1 hierarchy of `controller`."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
@@ -162,12 +260,19 @@ def _cgroup1(limit: int) -> MemoryLimit:
     parent = Path(mount) / own.lstrip("/")
     # memsw (memory + swap) equal to the limit means no swap; it is absent without swap accounting.
     child = _make_child(
-        parent, {"memory.limit_in_bytes": str(limit), "memory.memsw.limit_in_bytes": str(limit)}
+        parent,
+        {
+            "memory.limit_in_bytes": str(limit),
+            "memory.memsw.limit_in_bytes": str(limit),
+            # A rank is moved in after it starts: its memory so far moves with it.
+            "memory.move_charge_at_immigrate": "3",
+        },
     )
     return MemoryLimit("cgroup1", limit, str(child), cgroup=child)
 
 
 def _systemd_run(limit: int) -> MemoryLimit:
+    """A transient scope kept open by `sleep`; the ranks are moved into its cgroup."""
     exe = shutil.which("systemd-run")
     if exe is None:
         raise OSError("systemd-run is not installed")
@@ -178,14 +283,27 @@ def _systemd_run(limit: int) -> MemoryLimit:
     if probe.returncode != 0:
         reason = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[0]
         raise OSError(f"systemd-run: {reason}")
-    return MemoryLimit("systemd-run", limit, "transient scope with MemoryMax", prefix=[*prefix, "--"])
+    holder = subprocess.Popen([*prefix, "--", "sleep", "infinity"], stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    mount = next((m for m, kind, _ in _mounts() if kind == "cgroup2"), None)
+    while time.monotonic() < deadline:
+        path = _own_cgroup(None, holder.pid)
+        if mount and path and path.endswith(".scope"):
+            return MemoryLimit(
+                "systemd-run", limit, f"transient scope {path} with MemoryMax",
+                cgroup=Path(mount) / path.lstrip("/"), holder=holder,
+            )  # fmt: skip
+        time.sleep(0.05)
+    holder.kill()
+    holder.wait()
+    raise OSError("systemd-run: the transient scope's cgroup did not appear")
 
 
 def _env(limit: int) -> MemoryLimit:
     return MemoryLimit(
         "env",
         limit,
-        "KIT_HOST_MEMORY passed to the plugin; the whole run is NOT capped",
+        "no kernel limit: the ranks' summed RSS is checked every 20 ms, the rank that pushes it over is killed",
     )
 
 
@@ -193,7 +311,7 @@ _STRATEGIES = {"cgroup2": _cgroup2, "cgroup1": _cgroup1, "systemd-run": _systemd
 
 
 def apply_memory_limit(limit_bytes: int | None, method: str = "auto") -> MemoryLimit:
-    """The strongest available way to cap a run at `limit_bytes` (or exactly `method` when named).
+    """The strongest available way to cap the ranks at `limit_bytes` (or exactly `method` when named).
 
     ``method="auto"`` tries cgroup v2, cgroup v1, systemd-run, then env; a named method that is
     unavailable raises OSError saying why.
@@ -214,3 +332,184 @@ def apply_memory_limit(limit_bytes: int | None, method: str = "auto") -> MemoryL
         chosen.tried = tried
         return chosen
     raise AssertionError("the env method always applies")
+
+
+# --- the ranks -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Rank:
+    pid: int
+    rank: int
+    world_size: int
+    nodeid: str | None
+    rss: int = 0
+    alive: bool = True
+
+
+def _rank_of(pid: int) -> tuple[int, int] | None:
+    """(rank, world size) when process `pid` is a rank the kit's launcher started."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for arg in args:
+        match = RANK_ARG.match(arg.decode(errors="replace"))
+        if match:
+            return int(match.group(1)), int(match.group(2))
+    return None
+
+
+def _test_of(pid: int) -> str | None:
+    """The node id of the test that launched rank `pid` (PYTEST_CURRENT_TEST, inherited by ranks)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"PYTEST_CURRENT_TEST="):
+            value = item.split(b"=", 1)[1].decode(errors="replace")
+            return value.rsplit(" (", 1)[0]
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
+def _descendants(root: int) -> list[int]:
+    seen, todo = [], [root]
+    while todo:
+        for child in _children(todo.pop()):
+            if child not in seen:
+                seen.append(child)
+                todo.append(child)
+    return seen
+
+
+def _rss(pid: int) -> int | None:
+    """Resident bytes, None once the process is gone or a zombie."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+    return int(match.group(1)) * 1024 if match else None
+
+
+class RankWatcher(threading.Thread):
+    """Moves every rank under `root_pid` into the limit's group as it appears; enforces the env
+    method; pins each OOM kill on the rank that died with it (`stop()` returns them)."""
+
+    def __init__(self, limit: MemoryLimit, root_pid: int) -> None:
+        super().__init__(name="kit-rank-watcher", daemon=True)
+        self.limit, self.root_pid = limit, root_pid
+        self.ranks: dict[int, _Rank] = {}
+        self.kills: list[Kill] = []
+        self.errors: list[str] = []
+        self._stop_event = threading.Event()
+        self._counted = limit.oom_kills()
+        self._failcnt = limit.failcnt()
+        self._pending = 0
+        self._note = ""
+        self._previous: dict[int, int] = {}
+        self._recent: list[tuple[float, _Rank]] = []  # deaths not yet pinned to a kill
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.tick()
+            self._stop_event.wait(POLL_S)
+        self.tick()
+
+    def stop(self) -> list[Kill]:
+        """Stop watching (after pytest exited) and return the ranks the limit killed."""
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=10)
+        return self.kills
+
+    def tick(self) -> None:
+        """One poll: adopt new ranks, sample RSS, enforce (env), attribute OOM kills (cgroups)."""
+        for pid in _descendants(self.root_pid):
+            if pid in self.ranks:
+                continue
+            found = _rank_of(pid)
+            if found is None:
+                continue
+            rank = _Rank(pid, found[0], found[1], _test_of(pid))
+            self.ranks[pid] = rank
+            try:
+                self.limit.adopt(pid)
+            except OSError as exc:
+                self.errors.append(f"rank {rank.rank} (pid {pid}) could not join {self.limit.cgroup}: {exc}")
+        died: list[_Rank] = []
+        for rank in self.ranks.values():
+            if not rank.alive:
+                continue
+            rss = _rss(rank.pid)
+            if rss is None:
+                rank.alive = False
+                died.append(rank)
+            else:
+                rank.rss = rss
+        if self.limit.method == "env" and self.limit.limit_bytes is not None:
+            self._enforce(self.limit.limit_bytes)
+        elif self.limit.cgroup is not None:
+            self._attribute(died)
+
+    def _enforce(self, limit_bytes: int) -> None:
+        alive = {r.pid: r for r in self.ranks.values() if r.alive}
+        current = {pid: r.rss for pid, r in alive.items()}
+        culprit = rank_over_limit(self._previous, current, limit_bytes)
+        self._previous = current
+        if culprit is None:
+            return
+        rank = alive[culprit]
+        total = sum(current.values())
+        with contextlib.suppress(OSError):
+            os.kill(rank.pid, signal.SIGKILL)
+        rank.alive = False
+        self._previous.pop(culprit, None)
+        self.kills.append(
+            Kill(
+                rank.nodeid, rank.rank, rank.world_size, rank.pid,
+                f"the ranks' summed RSS {format_size(total)} exceeded the runner's {format_size(limit_bytes)} "
+                f"(env method); rank {rank.rank} grew most and was killed at {format_size(rank.rss)}",
+            )
+        )  # fmt: skip
+
+    def _attribute(self, died: Sequence[_Rank]) -> None:
+        counted = self.limit.oom_kills()
+        source = "memory.events" if self.limit.method != "cgroup1" else "memory.oom_control"
+        if counted is not None and self._counted is not None:
+            if counted > self._counted:
+                self._pending += counted - self._counted
+                self._note = f"{source} oom_kill {self._counted} -> {counted}"
+                self._counted = counted
+        elif died:
+            failcnt = self.limit.failcnt()
+            if failcnt is not None and self._failcnt is not None and failcnt > self._failcnt:
+                self._pending += 1  # no oom_kill counter: a rank died after hitting the limit
+                self._note = f"memory.failcnt {self._failcnt} -> {failcnt}"
+                self._failcnt = failcnt
+        # The kernel kills the largest process of the group; a rank that died within a second
+        # of a kill not yet accounted for is it (the counter and the death are seen a poll apart).
+        now = time.monotonic()
+        self._recent = [(t, r) for t, r in self._recent if now - t < 1.0] + [(now, r) for r in died]
+        for _, rank in sorted(self._recent, key=lambda item: -item[1].rss):
+            if self._pending <= 0:
+                break
+            self._pending -= 1
+            self._recent = [(t, r) for t, r in self._recent if r is not rank]
+            self.kills.append(
+                Kill(
+                    rank.nodeid, rank.rank, rank.world_size, rank.pid,
+                    f"killed by the kernel OOM killer in the ranks' capped cgroup ({self._note}; limit "
+                    f"{format_size(self.limit.limit_bytes)}, rank at {format_size(rank.rss)} when last seen)",
+                )
+            )  # fmt: skip

