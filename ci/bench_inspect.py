@@ -26,7 +26,7 @@ def measure(rounds: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from accounting.inspect import TensorInspector
+    from accounting.inspector import TensorInspector
     from fixtures.megatron import cpu_shim, destroy_model_parallel
     from fixtures.training import DenseBatch, ModelConfig, ParallelConfig, TrainConfig, Trainer
 

@@ -99,7 +99,7 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
     without it for the overhead figure, then save a synchronous checkpoint."""
     from megatron.core import parallel_state as ps
 
-    from accounting.inspect import TensorInspector
+    from accounting.inspector import TensorInspector
     from fixtures.megatron import cpu_shim, destroy_model_parallel
     from fixtures.rank_worker import peak_rss_bytes  # VmHWM: this rank's own high-water mark
     from fixtures.training import ModelConfig, ParallelConfig, TrainConfig, Trainer

@@ -1,4 +1,4 @@
-"""Unit tests of `accounting.inspect.TensorInspector` on a plain torch model (single process).
+"""Unit tests of `accounting.inspector.TensorInspector` on a plain torch model (single process).
 
 Every expected statistic is recomputed here in float64 from a tensor captured by the test's own
 hooks (or drawn by hypothesis), never from the inspector's partial sums.
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from torch.overrides import TorchFunctionMode
 
-from accounting.inspect import (
+from accounting.inspector import (
     SUPPORTED_STATS,
     InspectConfig,
     TensorInspector,
