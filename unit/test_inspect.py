@@ -400,3 +400,17 @@ def test_a_skipped_pair_records_nothing_so_no_record_mixes_two_tensors() -> None
         ("model.layers.2.fc1", "activation"),
         ("model.layers.2.fc1", "weight"),
     }
+
+
+def test_no_accounting_module_shadows_a_stdlib_module() -> None:
+    """`accounting/inspect.py` shadowed the stdlib's `inspect` whenever `accounting/` was on
+    sys.path (`python accounting/seqlens.py` failed inside `dataclasses`); the package is now
+    `accounting.inspector`, and no module of the library may take a stdlib name again."""
+    import pkgutil
+    import sys
+
+    import accounting
+
+    ours = {m.name.rsplit(".", 1)[-1] for m in pkgutil.walk_packages(accounting.__path__, "accounting.")}
+    assert "inspector" in ours
+    assert ours & set(sys.stdlib_module_names) == set()

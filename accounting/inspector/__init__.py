@@ -1,6 +1,6 @@
 """Tensor statistics for training runs: per-layer min/max/mean/std/norms/nan/inf every N steps.
 
-One job per module: `statistics` (mergeable partial sums), `config` (what to record, the
+One job per module: `tensor_stats` (mergeable partial sums), `config` (what to record, the
 defaults), `names` (nvdlfw-inspect's layer names), `hooks` (the torch-hook backend), `sinks`
 (TensorBoard / JSON lines), `nvdlfw` (the nvdlfw-inspect session and TE backend), `inspector`
 (`TensorInspector`, which ties them together). No module keeps process-global mutable state;
@@ -22,7 +22,7 @@ from accounting.inspector.nvdlfw import (
     start_nvdlfw_session,
 )
 from accounting.inspector.sinks import ScalarWriter, StatsSink
-from accounting.inspector.statistics import SUPPORTED_STATS, combine_partials, partial_stats
+from accounting.inspector.tensor_stats import SUPPORTED_STATS, combine_partials, partial_stats
 
 __all__ = [
     "SUPPORTED_STATS",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from accounting.inspector.statistics import SUPPORTED_STATS
+from accounting.inspector.tensor_stats import SUPPORTED_STATS
 
 # activation: the module's input; output: its output; gradient: the gradient arriving at the
 # output (TE's naming); dgrad: the gradient with respect to the input; weight: `module.weight`.

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from accounting.inspector.statistics import partial_stats
+from accounting.inspector.tensor_stats import partial_stats
 
 Rows = dict[tuple[str, str], list[torch.Tensor]]
 

@@ -1,7 +1,7 @@
 """`TensorInspector`: per-layer statistics every N steps, free on every other step.
 
 It matches layers by nvdlfw-inspect's names (`names.py`), reduces their tensors with hooks
-that exist only during an inspection step (`hooks.py`, `statistics.py`), optionally takes TE's
+that exist only during an inspection step (`hooks.py`, `tensor_stats.py`), optionally takes TE's
 own statistics through an nvdlfw-inspect session (`nvdlfw.py`), and writes one record per
 (step, layer, tensor) to TensorBoard and JSON lines (`sinks.py`).
 """
@@ -28,7 +28,7 @@ from accounting.inspector.nvdlfw import (
     te_module_class,
 )
 from accounting.inspector.sinks import ScalarWriter, StatsSink
-from accounting.inspector.statistics import combine_partials
+from accounting.inspector.tensor_stats import combine_partials
 
 
 class TensorInspector:

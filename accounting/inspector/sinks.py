@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from accounting.inspector.statistics import SUPPORTED_STATS
+from accounting.inspector.tensor_stats import SUPPORTED_STATS
 
 
 class ScalarWriter(Protocol):
