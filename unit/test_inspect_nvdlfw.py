@@ -183,3 +183,14 @@ def test_te_backend_without_a_session_is_refused_and_auto_uses_the_hooks() -> No
     with pytest.raises(ValueError, match="backend = 'te'"):
         TensorInspector(model, layers="fc1", backend="te")
     assert TensorInspector(model, layers="fc1").backend == "hooks"
+
+
+def test_a_session_with_another_schedule_or_an_ended_one_is_refused(tmp_path) -> None:
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(4, 4))
+    with start_nvdlfw_session(InspectConfig(layers="fc1", every=5), namespace="base", log_dir=tmp_path) as s:
+        with pytest.raises(ValueError, match="every, layers"):
+            TensorInspector(model, layers="fc1", every=3, session=s)
+        assert TensorInspector(model, config=s.config, session=s).backend == "hooks"  # no TE on CPU
+    with pytest.raises(ValueError, match="has ended"):
+        TensorInspector(model, config=s.config, session=s)

@@ -75,6 +75,8 @@ class TensorInspector:
         rank: int | None = None,
     ) -> None:
         self.config = _resolve_config(config, layers=layers, tensors=tensors, stats=stats, every=every)
+        if session is not None:
+            _check_session(session, self.config)
         self.sink = StatsSink(writer, jsonl_path)
         self.rank = rank if rank is not None else _default_rank()
         pattern = re.compile(self.config.layers)
@@ -174,6 +176,18 @@ def _resolve_config(config: InspectConfig | None, **fields: Any) -> InspectConfi
     if config is not None and given:
         raise ValueError(f"give either config= or {sorted(given)}, not both")
     return config if config is not None else InspectConfig(**given)
+
+
+def _check_session(session: NvdlfwSession, config: InspectConfig) -> None:
+    # TE logs on the session's schedule and layers; a different one would leave records half-filled.
+    theirs, ours = (session.config.every, session.config.layers), (config.every, config.layers)
+    if theirs != ours:
+        raise ValueError(
+            f"the nvdlfw-inspect session inspects (every, layers) = {theirs!r}, this inspector {ours!r}: "
+            "start the session with the inspector's InspectConfig"
+        )
+    if not session.running:
+        raise ValueError("the nvdlfw-inspect session passed to the inspector has ended")
 
 
 def _choose_backend(backend: str, modules: dict[str, torch.nn.Module], session: NvdlfwSession | None) -> str:

@@ -90,7 +90,11 @@ class NvdlfwSession:
         )
         self.running = True
         if per_rank:
-            self._reduce_per_rank(debug_api)
+            try:
+                self._reduce_per_rank(debug_api)
+            except BaseException:
+                self.end()
+                raise
 
     def _session_config(self) -> dict[str, Any]:
         return {
@@ -230,8 +234,6 @@ class TEBackend:
         import nvdlfw_inspect.api as debug_api
         from transformer_engine.debug.pytorch.debug_state import TEDebugState
 
-        if not session.running:
-            raise ValueError("the nvdlfw-inspect session passed to the inspector has ended")
         problem = te_debug_mode_problem(TEDebugState.debug_enabled)
         if problem is not None:
             raise RuntimeError(problem)
