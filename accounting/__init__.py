@@ -2,6 +2,7 @@
 
 from accounting.accumulator import FlopsAccumulator
 from accounting.flops import FlopsBreakdown, ModelShape, training_flops
+from accounting.inspector import InspectConfig, TensorInspector
 from accounting.memory import memory_report, reduce_max_memory
 from accounting.seqlens import SeqlenStats, seqlen_stats, validate_cu_seqlens
 from accounting.throughput import IntervalThroughput
@@ -9,9 +10,11 @@ from accounting.throughput import IntervalThroughput
 __all__ = [
     "FlopsAccumulator",
     "FlopsBreakdown",
+    "InspectConfig",
     "IntervalThroughput",
     "ModelShape",
     "SeqlenStats",
+    "TensorInspector",
     "memory_report",
     "reduce_max_memory",
     "seqlen_stats",

@@ -4,7 +4,10 @@ Single process (a world of one over gloo), the slim tensor-inspect model of
 `functional/test_tensor_inspect.py` (megatron-core GPT, 2 layers, hidden 64, sequence 128,
 micro batch 1), trained through the shared harness. The three kinds of step are interleaved
 round by round (plain, inspector off-step, inspector inspection step, in a rotating order) so
-that drift in machine load and order effects hit all three alike; medians are reported. Nothing is asserted: this is a figure for
+that drift in machine load and order effects hit all three alike; medians are reported, of wall
+time and of the process's CPU time (steadier on a shared machine: other processes' load does not
+count). `inspector_off_step_call_us` times the inspector's own work on an off-step
+(`begin_step` + `end_step`, no training) directly. Nothing is asserted: this is a figure for
 people, printed and optionally written as JSON.
 
     python -m ci.bench_inspect [--rounds 30] [--json out.json]
@@ -26,7 +29,7 @@ def measure(rounds: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from accounting.inspect import TensorInspector
+    from accounting.inspector import TensorInspector
     from fixtures.megatron import cpu_shim, destroy_model_parallel
     from fixtures.training import DenseBatch, ModelConfig, ParallelConfig, TrainConfig, Trainer
 
@@ -37,6 +40,7 @@ def measure(rounds: int) -> dict[str, float]:
     )
     model_config = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=192, max_sequence_length=128)
     times: dict[str, list[float]] = {"plain": [], "off_step": [], "inspection_step": []}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
     gen = torch.Generator().manual_seed(0)
     try:
         with cpu_shim():
@@ -56,25 +60,46 @@ def measure(rounds: int) -> dict[str, float]:
                 # Rotate the order each round so that no kind always runs first (cache, allocator).
                 for kind, step in kinds[r % 3 :] + kinds[: r % 3]:
                     data = batch()
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     if step is None:
                         trainer.train_step(data)
                     else:
                         with inspector.step(step):
                             trainer.train_step(data)
                     times[kind].append(time.perf_counter() - start)
+                    cpu[kind].append(time.process_time() - start_cpu)
+            off_call = _off_step_call_seconds(inspector)
             inspector.close()
             trainer.close()
             destroy_model_parallel()
     finally:
         dist.destroy_process_group()
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     return {
         **{f"median_{k}_ms": v * 1e3 for k, v in med.items()},
         "off_step_overhead": med["off_step"] / med["plain"] - 1,
         "inspection_step_overhead": med["inspection_step"] / med["plain"] - 1,
+        **{f"median_{k}_cpu_ms": v * 1e3 for k, v in med_cpu.items()},
+        "off_step_cpu_overhead": med_cpu["off_step"] / med_cpu["plain"] - 1,
+        "inspection_step_cpu_overhead": med_cpu["inspection_step"] / med_cpu["plain"] - 1,
+        "inspector_off_step_call_us": off_call * 1e6,
         "rounds": rounds,
     }
+
+
+def _off_step_call_seconds(inspector, calls: int = 20_000, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean time of one off-step `begin_step` + `end_step` pair."""
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for step in range(1, calls + 1):
+            if step % 5 == 0:
+                step += 1  # never an inspection step (every=5)
+            inspector.begin_step(step)
+            inspector.end_step()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
 
 
 def main() -> None:

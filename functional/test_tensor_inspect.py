@@ -12,6 +12,14 @@ no distributed optimizer, no overlap, synchronous checkpoint) and asserts what t
 - the gradient statistics are non-zero;
 - each rank's peak RSS stays inside the stated budget (the plugin's watchdog also enforces it).
 
+It runs in two precisions: the harness's default (fp32 on CPU, bf16 on CUDA) and bf16 forced,
+which on CPU too wraps the model in megatron's `Float16Module`: one more `.module` level in every
+layer name and bf16 tensors, which have no numpy dtype (the capture widens them to float32,
+exactly). Where TE and nvdlfw-inspect are present (GPU runners) the nvdlfw-inspect session starts
+before the model is built, because TE modules fix debug mode at construction; the statistics TE
+computes in bf16 are then compared within a tolerance derived from bf16's rounding
+(`te_bf16_tolerance`, pinned on CPU below), and fc1's "activation" is TE's normalised GEMM input.
+
 The off-step cost is measured, not asserted: each rank then trains 20 more steps alternating
 plain steps and the inspector's non-inspection steps, and the test prints both medians against
 the stated bound (`OFF_STEP_TARGET`). `ci/bench_inspect.py` gives steadier figures.
@@ -22,11 +30,13 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from fixtures.ranks import run_ranks
 from fixtures.tensorboard import read_scalars
@@ -45,6 +55,7 @@ NEVER_INSPECTED = 1  # a step number that is not a multiple of EVERY
 # The stated bound for the cost of a non-inspection step over a plain one (reported, not asserted:
 # wall time on a shared machine is a figure, not a pass/fail criterion).
 OFF_STEP_TARGET = 0.05
+
 # nvdlfw-inspect's layer names: root `model`, the trainer's model list walked chunk by chunk, the
 # DDP wrapper's `module`, decoder layers by their 1-based megatron `layer_number`.
 EXPECTED_LAYERS = sorted(
@@ -52,28 +63,68 @@ EXPECTED_LAYERS = sorted(
     for n in range(1, NUM_LAYERS + 1)
     for fc in ("fc1", "fc2")
 )
+# Under bf16 megatron's Float16Module sits between DDP and the GPTModel: one more `.module`.
+EXPECTED_LAYERS_BF16 = sorted(
+    name.replace("model.module.", "model.module.module.") for name in EXPECTED_LAYERS
+)
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A host float copy of `t`: bf16 has no numpy dtype (`.numpy()` raises), and bf16 -> float32 is exact."""
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()
+    return t.cpu().numpy().copy()
+
+
+def te_normalised_input(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """What TE's LayerNorm+Linear logs as "activation": its own norm of `x` (the GEMM input), in x's dtype.
+
+    TE 2.6 `pytorch/module/layernorm_linear.py`: `apply_normalization` (l.199) then the input
+    quantizer, which is where the debug feature sees the tensor, takes `ln_out` (l.257-258).
+    """
+    xf = x.float()
+    gamma = module.layer_norm_weight.float() + (1.0 if module.zero_centered_gamma else 0.0)
+    if module.normalization == "RMSNorm":
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + module.eps) * gamma
+    else:
+        bias = module.layer_norm_bias.float()
+        y = torch.nn.functional.layer_norm(xf, (xf.shape[-1],), gamma, bias, module.eps)
+    return y.to(x.dtype)
 
 
 class IndependentCapture:
-    """The test's own hooks on each decoder layer's fc1/fc2, found by walking megatron's modules."""
+    """The test's own hooks on each decoder layer's fc1/fc2, found by walking megatron's modules.
 
-    def __init__(self, ddp_model: Any) -> None:
+    Wrappers (DDP, and Float16Module under bf16) are walked through their `.module`, each adding
+    one `.module` level to the name, as nvdlfw-inspect names them. With `te_activation` the
+    activation of a TE LayerNorm+Linear module is its normalised input, as TE logs it.
+    """
+
+    def __init__(self, ddp_model: Any, te_activation: bool = False) -> None:
         self.tensors: dict[tuple[str, str], np.ndarray] = {}
         self.handles = []
-        for layer in ddp_model.module.decoder.layers:
+        self.te_activation = te_activation
+        inner, prefix = ddp_model, "model"
+        while not hasattr(inner, "decoder"):
+            inner, prefix = inner.module, f"{prefix}.module"
+        for layer in inner.decoder.layers:
             for fc in ("fc1", "fc2"):
-                name = f"model.module.decoder.layers.{layer.layer_number}.mlp.linear_{fc}"
+                name = f"{prefix}.decoder.layers.{layer.layer_number}.mlp.linear_{fc}"
                 module = getattr(layer.mlp, f"linear_{fc}")
                 self.handles.append(module.register_forward_hook(self._hook(name)))
 
     def _hook(self, name: str):
         def hook(module, args, output):
             out = output[0] if isinstance(output, tuple) else output
-            self.tensors[(name, "activation")] = args[0].detach().cpu().numpy().copy()
-            self.tensors[(name, "weight")] = module.weight.detach().cpu().numpy().copy()
+            activation = args[0]
+            if self.te_activation and hasattr(module, "layer_norm_weight"):
+                activation = te_normalised_input(module, activation)
+            self.tensors[(name, "activation")] = host_array(activation)
+            self.tensors[(name, "weight")] = host_array(module.weight)
 
             def grad_hook(g):
-                self.tensors[(name, "gradient")] = g.detach().cpu().numpy().copy()
+                self.tensors[(name, "gradient")] = host_array(g)
 
             out.register_hook(grad_hook)
 
@@ -94,12 +145,21 @@ def _batch(step: int, dp_rank: int, vocab: int):
     return DenseBatch(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(1, SEQ))
 
 
-def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
+def _nvdlfw_te_usable() -> bool:
+    """TE's statistics are used where TE imports on CUDA and nvdlfw-inspect is installed."""
+    import importlib.util
+
+    from fixtures.megatron import te_status
+
+    return te_status()[0] and importlib.util.find_spec("nvdlfw_inspect") is not None
+
+
+def tensor_inspect_rank(rank: int, world_size: int, out: str, bf16: bool | None = None) -> dict:
     """Train 10 steps with the inspector (and the test's own capture on steps 5 and 10), then 10
     without it for the overhead figure, then save a synchronous checkpoint."""
     from megatron.core import parallel_state as ps
 
-    from accounting.inspect import TensorInspector
+    from accounting.inspector import InspectConfig, TensorInspector, start_nvdlfw_session
     from fixtures.megatron import cpu_shim, destroy_model_parallel
     from fixtures.rank_worker import peak_rss_bytes  # VmHWM: this rank's own high-water mark
     from fixtures.training import ModelConfig, ParallelConfig, TrainConfig, Trainer
@@ -108,8 +168,13 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
     model_config = ModelConfig(
         num_layers=NUM_LAYERS, hidden_size=64, ffn_hidden_size=192, max_sequence_length=SEQ
     )
+    config = InspectConfig(layers=LAYERS, tensors=TENSORS, every=EVERY)
+    # TE modules fix debug mode when constructed: the session must exist before the model.
+    session = (
+        start_nvdlfw_session(config, log_dir=out_dir / f"nvdlfw_rank{rank}") if _nvdlfw_te_usable() else None
+    )
     with cpu_shim():
-        trainer = Trainer(model_config, ParallelConfig(), TrainConfig(packed=False))
+        trainer = Trainer(model_config, ParallelConfig(), TrainConfig(packed=False, bf16=bf16))
         dp_rank = ps.get_data_parallel_rank()
         writer = None
         if rank == 0:
@@ -118,16 +183,16 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
             writer = SummaryWriter(str(out_dir / "tb"))
         inspector = TensorInspector(
             trainer.model,
-            layers=LAYERS,
-            tensors=TENSORS,
-            every=EVERY,
+            config=config,
+            session=session,
             writer=writer,
             jsonl_path=out_dir / f"stats_rank{rank}.jsonl",
         )
+        te = inspector.backend == "te"
         references: list[dict] = []
         with_inspector: dict[int, float] = {}
         for step in range(1, STEPS + 1):
-            capture = IndependentCapture(trainer.model[0]) if step % EVERY == 0 else None
+            capture = IndependentCapture(trainer.model[0], te_activation=te) if step % EVERY == 0 else None
             start = time.perf_counter()
             with inspector.step(step):
                 trainer.train_step([_batch(step, dp_rank, model_config.vocab_size)])
@@ -136,7 +201,13 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
                 capture.close()
                 for (layer, tensor), array in capture.tensors.items():
                     references.append(
-                        {"step": step, "layer": layer, "tensor": tensor, **reference_stats(array)}
+                        {
+                            "step": step,
+                            "layer": layer,
+                            "tensor": tensor,
+                            "numel": array.size,
+                            **reference_stats(array),
+                        }
                     )
         # The overhead figure: plain steps and the inspector's non-inspection steps interleaved
         # (same data, same machine load), so the comparison is not skewed by load drift.
@@ -153,14 +224,19 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str) -> dict:
                     trainer.train_step(batch)
                 off_step[step] = time.perf_counter() - start
         inspector.close()
+        if session is not None:
+            session.end()
         if writer is not None:
             writer.close()
         checkpoint = trainer.save(out_dir / "ckpt")
+        bf16_used = trainer.bf16
         trainer.close()
         peak = peak_rss_bytes()
         destroy_model_parallel()
     return {
         "rank": rank,
+        "bf16": bf16_used,
+        "backend": inspector.backend,
         "references": references,
         "with_inspector": with_inspector,
         "without": without,
@@ -175,26 +251,79 @@ def _close(got: float, want: float) -> bool:
     return got == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.L0
+# -- TE's statistics in bf16: the tolerance, derived ---------------------------------------------
+#
+# TE's LogTensorStats (TE 2.6 `debug/features/utils/stats_computation.py` l.96-137) computes each
+# statistic with a torch reduction on the tensor in its own dtype (bf16 under Float16Module), so
+# the result is rounded to bf16 once, then kept in a float32 buffer (`stats_buffer.py` l.42).
+# bf16 keeps 8 significant bits: one round-to-nearest is within u = 2^-8 relative. Roundings per
+# statistic, one microbatch and one rank (what `log()` combines is then exact to float32):
+#   min, max   an element of the tensor: exact
+#   mean       torch.sum -> bf16 (1), / numel in float32
+#   l1_norm    torch.norm(p=1) -> bf16 (1)
+#   l2_norm    x**2 elementwise (1, all terms >= 0 so relative on the sum) and torch.sum (1) -> 2u on
+#              the square, halved by the sqrt
+#   std        torch.var -> bf16 (1), halved by the sqrt
+# plus float32 accumulation inside the reductions (2^-24 per add, tree-summed): FP32_SLACK relative
+# to the sum of magnitudes, which is what bounds a mean near zero.
+BF16_U = Fraction(1, 2**8)
+TE_BF16_ROUNDINGS = {"min": 0, "max": 0, "mean": 1, "l1_norm": 1, "l2_norm": 1, "std": Fraction(1, 2)}
+FP32_SLACK = 1e-5
+
+
+def te_bf16_tolerance(stat: str, reference: dict[str, float], numel: int) -> tuple[float, float]:
+    """(rel, abs) within which TE's bf16 value of `stat` equals the float64 `reference` of `numel` values."""
+    rel = float(TE_BF16_ROUNDINGS[stat] * BF16_U) + FP32_SLACK
+    return rel, (FP32_SLACK * reference["l1_norm"] / numel if stat == "mean" else 0.0)
+
+
+def _close_stat(stat: str, got: float, want: dict[str, float], te: bool) -> bool:
+    if te and stat in TE_BF16_ROUNDINGS:
+        rel, abs_ = te_bf16_tolerance(stat, want, want["numel"])
+        return got == pytest.approx(want[stat], rel=rel, abs=abs_)
+    return _close(got, want[stat])
+
+
 @pytest.mark.world_size(2)
 @pytest.mark.memory_budget(host=HOST_BUDGET)
-def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(tmp_path: Path) -> None:
-    results = run_ranks(tensor_inspect_rank, 2, args=(str(tmp_path),))
+@pytest.mark.parametrize(
+    "bf16",
+    [
+        pytest.param(None, id="default-precision", marks=pytest.mark.L0),
+        pytest.param(True, id="bf16-float16module", marks=pytest.mark.L1),
+    ],
+)
+def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(tmp_path: Path, bf16: bool | None) -> None:
+    results = run_ranks(tensor_inspect_rank, 2, args=(str(tmp_path), bf16))
     stats = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "nan_count", "inf_count")
-    expected_keys = {(s, layer, t) for s in (5, 10) for layer in EXPECTED_LAYERS for t in TENSORS}
+    expected_layers = EXPECTED_LAYERS_BF16 if results[0]["bf16"] else EXPECTED_LAYERS
+    assert bf16 is None or all(res["bf16"] for res in results), "the bf16 scenario did not run in bf16"
+    expected_keys = {(s, layer, t) for s in (5, 10) for layer in expected_layers for t in TENSORS}
     for res in results:
-        rank = res["rank"]
+        rank, te = res["rank"], res["backend"] == "te"
         records = [json.loads(x) for x in (tmp_path / f"stats_rank{rank}.jsonl").read_text().splitlines()]
         got = {(r["step"], r["layer"], r["tensor"]): r for r in records}
         assert len(got) == len(records) and set(got) == expected_keys, rank
         refs = {(r["step"], r["layer"], r["tensor"]): r for r in res["references"]}
         assert set(refs) == expected_keys, "the test's own capture saw other layers/steps"
         for key, want in refs.items():
+            # Under TE a LayerNorm+Linear's activation is TE's normalised input, which the hooks
+            # do not see: that record has TE's statistics only, no hook counts.
+            te_only = te and key[2] == "activation" and key[1].endswith("fc1")
             for stat in stats:
                 if stat.endswith("_count"):
-                    assert got[key][stat] == want[stat] == 0, (rank, key, stat)
+                    if te_only:
+                        assert stat not in got[key], (rank, key, stat)
+                    else:
+                        assert got[key][stat] == want[stat] == 0, (rank, key, stat)
                 else:
-                    assert _close(got[key][stat], want[stat]), (rank, key, stat, got[key][stat], want[stat])
+                    assert _close_stat(stat, got[key][stat], want, te), (
+                        rank,
+                        key,
+                        stat,
+                        got[key][stat],
+                        want[stat],
+                    )
             if key[2] == "gradient":
                 assert got[key]["l2_norm"] > 0 and got[key]["max"] > got[key]["min"], (rank, key)
         assert not res["hooks_left"]
@@ -207,11 +336,18 @@ def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(tmp_path: Pat
         for r in map(json.loads, (tmp_path / "stats_rank0.jsonl").open())
     }
     assert set(tb) == {
-        f"inspect/{layer}/{t}/{s}" for layer in EXPECTED_LAYERS for t in TENSORS for s in stats
+        f"inspect/{layer}/{t}/{s}"
+        for layer in expected_layers
+        for t in TENSORS
+        for s in stats
+        if not (
+            results[0]["backend"] == "te" and t == "activation" and layer.endswith("fc1") and "_count" in s
+        )
     }
     for (step, layer, tensor), rec in rank0.items():
         for stat in stats:
-            assert tb[f"inspect/{layer}/{tensor}/{stat}"][step] == float(np.float32(rec[stat]))
+            if stat in rec:
+                assert tb[f"inspect/{layer}/{tensor}/{stat}"][step] == float(np.float32(rec[stat]))
         assert set(tb[f"inspect/{layer}/{tensor}/min"]) == {5, 10}
 
     _report_overhead(results)
@@ -232,3 +368,87 @@ def _report_overhead(results: list[dict]) -> None:
             f" inspection steps (with the test's own capture) {[round(v * 1e3, 1) for v in inspect_steps]} ms;"
             f" peak RSS {res['peak_rss_bytes'] / 2**20:.0f} MiB (budget {HOST_BUDGET})"
         )
+
+
+# -- CPU pins of the GPU-path decisions (no ranks) ---------------------------------------------
+
+
+@pytest.mark.L0
+def test_bf16_has_no_numpy_dtype_and_the_capture_widens_it_exactly() -> None:
+    x = (torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    with pytest.raises(TypeError):
+        x.numpy()
+    got = host_array(x)
+    assert got.dtype == np.float32
+    assert [float(v) for v in got] == [float(v) for v in x.tolist()]  # every bf16 value is a float32
+
+
+def _te_recipe_stats(x: torch.Tensor) -> dict[str, float]:
+    """The statistics as TE's LogTensorStats computes them for one microbatch (see the derivation
+    above): torch reductions in the tensor's own dtype, each result kept as a float32."""
+
+    def f32(t: torch.Tensor) -> float:
+        return float(np.float32(t.float().item()))
+
+    return {
+        "min": f32(torch.min(x)),
+        "max": f32(torch.max(x)),
+        "mean": f32(torch.sum(x)) / x.numel(),
+        "l1_norm": f32(torch.norm(x, p=1)),
+        "l2_norm": float(np.sqrt(np.float32(f32(torch.sum(x**2))))),
+        "std": float(np.sqrt(np.float32(f32(torch.var(x))))),
+    }
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("seed", range(6))
+def test_te_bf16_tolerance_holds_for_bf16_statistics_where_1e5_cannot(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    numel = int(torch.randint(2, 20_000, (1,), generator=gen))
+    scale, shift = (
+        10.0 ** float(torch.empty(()).uniform_(-3, 3, generator=gen)),
+        float(torch.randn((), generator=gen)),
+    )
+    x = ((torch.randn(numel, generator=gen) + shift) * scale).to(torch.bfloat16)
+    want = reference_stats(x.float())  # float64 statistics of the very bf16 values
+    got = _te_recipe_stats(x)
+    for stat, value in got.items():
+        rel, abs_ = te_bf16_tolerance(stat, want, numel)
+        assert value == pytest.approx(want[stat], rel=rel, abs=abs_), (stat, value, want[stat], rel)
+    assert got["min"] == want["min"] and got["max"] == want["max"]  # no rounding: exact
+    # The fp32 tolerance the hooks meet cannot hold for what TE computes in bf16.
+    assert any(not _close(got[s], want[s]) for s in ("mean", "l1_norm", "l2_norm", "std")), got
+
+
+def nvdlfw_reduction_rank(rank: int, world_size: int, out: str, per_rank: bool) -> list[tuple]:
+    """Each rank logs a tensor full of `rank + 1` through nvdlfw-inspect, *without* skip_reduction."""
+    import nvdlfw_inspect.api as debug_api
+
+    from accounting.inspector import InspectConfig, start_nvdlfw_session
+
+    config = InspectConfig(layers="fc1", tensors=("activation",), stats=("max", "mean"), every=1)
+    seen: list[tuple] = []
+    log_dir = Path(out) / f"nvdlfw_{per_rank}_{rank}"
+    with start_nvdlfw_session(config, namespace="base", log_dir=log_dir, per_rank=per_rank) as session:
+        session.subscribe(lambda *a: seen.append(a))
+        tensor = torch.full((4,), float(rank + 1))
+        debug_api.log_tensor_stats(layer_name="fc1", tensor_name="activation", tensor=tensor, iteration=1)
+    return seen
+
+
+@pytest.mark.L0
+@pytest.mark.world_size(2)
+def test_nvdlfw_session_reduces_per_rank_like_the_hooks(tmp_path: Path) -> None:
+    """nvdlfw-inspect (and TE, which reads the same `get_tensor_reduction_group()`) reduces over the
+    world by default; the session's `per_rank=True` makes each rank log its own tensor."""
+    per_rank = run_ranks(nvdlfw_reduction_rank, 2, args=(str(tmp_path), True))
+    assert [sorted(seen) for seen in per_rank] == [
+        [("fc1", "activation", "max", 1.0, 1), ("fc1", "activation", "mean", 1.0, 1)],
+        [("fc1", "activation", "max", 2.0, 1), ("fc1", "activation", "mean", 2.0, 1)],
+    ]
+    world = run_ranks(nvdlfw_reduction_rank, 2, args=(str(tmp_path), False))
+    # The default: the last rank logs both ranks' tensors together, the other logs nothing.
+    assert [sorted(seen) for seen in world] == [
+        [],
+        [("fc1", "activation", "max", 2.0, 1), ("fc1", "activation", "mean", 1.5, 1)],
+    ]

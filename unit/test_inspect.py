@@ -1,4 +1,4 @@
-"""Unit tests of `accounting.inspect.TensorInspector` on a plain torch model (single process).
+"""Unit tests of `accounting.inspector.TensorInspector` on a plain torch model (single process).
 
 Every expected statistic is recomputed here in float64 from a tensor captured by the test's own
 hooks (or drawn by hypothesis), never from the inspector's partial sums.
@@ -17,13 +17,14 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from torch.overrides import TorchFunctionMode
 
-from accounting.inspect import (
+from accounting.inspector import (
     SUPPORTED_STATS,
     InspectConfig,
     TensorInspector,
     combine_partials,
     layer_names,
     partial_stats,
+    start_nvdlfw_session,
 )
 
 pytestmark = pytest.mark.L0
@@ -169,6 +170,34 @@ def test_layer_names_follow_nvdlfw_inspect_naming() -> None:
     names = layer_names(TinyMLP())
     assert "model.layers.1.fc1" in names and "model.layers.2.fc2" in names  # layer_number, 1-based
     assert "model.layers.0.fc1" not in names and "model.head" in names
+
+
+class Wrapper(torch.nn.Module):
+    """Holds the model as `.module`, as torch/megatron DDP does."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def test_each_wrapper_adds_one_module_level_exactly_as_nvdlfw_inspect_names_it(tmp_path) -> None:
+    """DDP(Float16Module(model)) under bf16: two `.module` levels, in our names and in nvdlfw's
+    (which TE logs under, so the hooks' and TE's records must share them)."""
+    import nvdlfw_inspect.api as debug_api
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, bf16=True)
+    model = Wrapper(Float16Module(config, TinyMLP()))
+    names = layer_names(model)
+    assert "model.module.module.layers.1.fc1" in names and "model.module.module.head" in names
+    with start_nvdlfw_session(InspectConfig(every=1), namespace="base", log_dir=tmp_path):
+        debug_api.infer_and_assign_layer_names(model)  # nvdlfw-inspect's own naming, as the oracle
+    theirs = {m.name: m for m in model.modules() if not isinstance(m, torch.nn.ModuleList)}
+    assert names.keys() == theirs.keys()
+    assert all(names[n] is m for n, m in theirs.items())
+    inspector = TensorInspector(model, layers=r"\.fc1$", every=1)
+    assert inspector.layer_names == ["model.module.module.layers.1.fc1", "model.module.module.layers.2.fc1"]
 
 
 @pytest.mark.parametrize(
@@ -347,3 +376,41 @@ def test_an_empty_microbatch_does_not_hide_the_extremes_of_the_others() -> None:
     assert_stats_close(got, reference_stats(t))
     empty = combine_partials(rows[:1], ("min", "max", "nan_count"))
     assert math.isnan(empty["min"]) and math.isnan(empty["max"]) and empty["nan_count"] == 0
+
+
+def test_a_skipped_pair_records_nothing_so_no_record_mixes_two_tensors() -> None:
+    """Under the TE backend a LayerNorm+Linear's "activation" is TE's normalised GEMM input; the
+    hooks, which see the module input, skip that pair instead of merging counts of another tensor."""
+    from accounting.inspector.hooks import HookRecorder
+    from accounting.inspector.nvdlfw import normalises_its_input
+
+    model = TinyMLP()
+    fused = model.layers[0].fc1
+    # The attribute TE's LayerNormLinear/LayerNormMLP hold their norm's weight in (TE 2.6).
+    fused.register_parameter("layer_norm_weight", torch.nn.Parameter(torch.ones(8)))
+    modules = {n: m for n, m in layer_names(model).items() if n.endswith("fc1")}
+    skip = frozenset((n, "activation") for n, m in modules.items() if normalises_its_input(m))
+    assert skip == {("model.layers.1.fc1", "activation")}
+    recorder = HookRecorder(modules, ("activation", "weight"), skip)
+    recorder.attach()
+    train_step(model)
+    rows = recorder.detach()
+    assert set(rows) == {
+        ("model.layers.1.fc1", "weight"),
+        ("model.layers.2.fc1", "activation"),
+        ("model.layers.2.fc1", "weight"),
+    }
+
+
+def test_no_accounting_module_shadows_a_stdlib_module() -> None:
+    """`accounting/inspect.py` shadowed the stdlib's `inspect` whenever `accounting/` was on
+    sys.path (`python accounting/seqlens.py` failed inside `dataclasses`); the package is now
+    `accounting.inspector`, and no module of the library may take a stdlib name again."""
+    import pkgutil
+    import sys
+
+    import accounting
+
+    ours = {m.name.rsplit(".", 1)[-1] for m in pkgutil.walk_packages(accounting.__path__, "accounting.")}
+    assert "inspector" in ours
+    assert ours & set(sys.stdlib_module_names) == set()
