@@ -117,7 +117,6 @@ def pp_memory_rank(rank: int, world_size: int, scenario: PPScenario, out: str, l
     from fixtures.rank_worker import peak_rss_bytes  # the launcher's VmHWM reader, not accounting's
     from fixtures.training import ParallelConfig, TrainConfig, Trainer
 
-    torch.set_num_threads(1)
     with cpu_shim():
         trainer = Trainer(
             scenario.model,
