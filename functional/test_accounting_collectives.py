@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from fixtures.collectives import COLLECTIVES, CollectiveCounter
+from fixtures.oracles import max_over_ranks
 from fixtures.ranks import run_ranks
 from unit.strategies import cu_from_lengths
 
@@ -196,16 +197,8 @@ def _memory_checks(rank: int, world_size: int, cases: list[list[dict]]) -> dict:
 
 
 def _expected_max(reports: list[dict]) -> tuple[dict, dict]:
-    values, ranks = {}, {}
-    for key in reports[0]:
-        column = [float(r[key]) for r in reports]
-        best = max(column)
-        ranks[key] = column.index(best)  # lowest rank on ties
-        original = reports[0][key]
-        values[key] = (
-            bool(best) if isinstance(original, bool) else int(best) if isinstance(original, int) else best
-        )
-    return values, ranks
+    """The per-key max over the ranks' reports (list index = rank) and the lowest rank holding it."""
+    return max_over_ranks(dict(enumerate(reports)))
 
 
 _REPORT_KEYS = (

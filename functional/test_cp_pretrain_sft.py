@@ -1,14 +1,15 @@
 """Headline functional test: a tiny megatron-core GPT, CP=2 on THD packs, pretrain -> SFT.
 
-One 2-rank launch (TP=PP=DP=1, CP=2) runs the whole scenario: SFT without a checkpoint is
+One 2-rank launch (TP=PP=DP=1, CP=2) runs the whole scenario, once per module and backend in a
+module-scoped fixture, and each claim below is its own test: SFT without a checkpoint is
 refused; pretrain on packed SQuAD-shaped text and save; the gradients of a probe batch at the
 saved weights; SFT from the checkpoint (answer-only loss) on a small set repeated every step,
 and save; a model of another shape tries to load the pretrain checkpoint. One 1-rank launch
 loads the pretrain checkpoint with CP=1 and computes the same probe batch's loss and gradients.
 
 Every expected number is computed here, from the data and the model shape, not by the code
-under test: the FLOPs (Megatron-LM's dense formula with Σs² from the packs' raw lengths), the
-checkpoint's tensor shapes, the CP=1 loss and gradients (a separate run).
+under test: the FLOPs (Megatron-LM's dense formula with Σs² from the packs' raw lengths,
+`fixtures.oracles`), the checkpoint's tensor shapes, the CP=1 loss and gradients (a separate run).
 
 Backends: gloo on CPU (megatron's local spec + the reference THD/CP attention) always; NCCL with
 Transformer Engine's spec where 2 GPUs and TE exist (bf16), plus TE's attention against the
@@ -27,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 
+from fixtures.oracles import megatron_lm_step_flops
 from fixtures.ranks import run_ranks
 from fixtures.tensorboard import read_scalars
 from fixtures.training import ModelConfig
@@ -161,19 +163,8 @@ def cp1_reference_worker(rank: int, world_size: int, s: Scenario, root: str) -> 
 
 
 def expected_step_flops(m: ModelConfig, packs: list) -> int:
-    """Megatron-LM's dense formula (research/anchors_accounting.md) with T and Σs² from raw lengths.
-
-    F = T·L·[6h(Q+2K) + 6Qh + 6·h·ffn·3] + 6·T·h·V + 6·L·Q·Σs², Q = kv·heads, K = kv·groups.
-    """
-    lengths = [n for p in packs for n in p.lengths]
-    tokens = sum(lengths)
-    squared = sum(n * n for n in lengths)
-    h, layers, vocab = m.hidden_size, m.num_layers, m.vocab_size
-    kv = h // m.num_attention_heads
-    q, k = kv * m.num_attention_heads, kv * m.num_query_groups
-    glu = 3 if m.gated_linear_unit else 2
-    per_token = layers * (6 * h * (q + 2 * k) + 6 * q * h + 6 * h * m.ffn_hidden_size * glu) + 6 * h * vocab
-    return tokens * per_token + 6 * layers * q * squared
+    """Megatron-LM's dense formula with T and Σs² from the packs' raw document lengths."""
+    return megatron_lm_step_flops(m, [n for p in packs for n in p.lengths])
 
 
 def expected_checkpoint_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -192,30 +183,7 @@ def expected_checkpoint_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _check_checkpoint(path: Path, iteration: int, m: ModelConfig) -> None:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    tracker = path / "latest_checkpointed_iteration.txt"
-    assert tracker.read_text().strip() == str(iteration)
-    it_dir = path / f"iter_{iteration:07d}"
-    assert (it_dir / ".metadata").is_file() and (it_dir / "common.pt").is_file()
-    assert '"sharded_backend": "torch_dist"' in (it_dir / "metadata.json").read_text()
-    common = torch.load(it_dir / "common.pt", weights_only=False)
-    assert common["iteration"] == iteration
-    meta = FileSystemReader(str(it_dir)).read_metadata()
-    for key, shape in expected_checkpoint_shapes(m).items():
-        assert tuple(meta.state_dict_metadata[key].size) == shape, key
-        assert any(k.startswith("optimizer.") and k.endswith(key) for k in meta.state_dict_metadata), (
-            f"no optimizer state for {key}"
-        )
-    shard_files = {d.relative_path for d in meta.storage_data.values()}
-    assert shard_files and all(f.endswith(".distcp") for f in shard_files)
-    on_disk = {p.name for p in it_dir.glob("*.distcp")}
-    assert shard_files == on_disk, f"metadata names {sorted(shard_files)}, directory holds {sorted(on_disk)}"
-    assert all((it_dir / f).stat().st_size > 0 for f in on_disk)
-
-
-# ------------------------------------------------------------------------------------- the test
+# ------------------------------------------------------------------------------ the scenario run
 
 # CP=1 vs CP=2 (fp32 on CPU): the only difference is the order of floating-point sums (the CP
 # ranks' partial gradients are all-reduced; attention sums over gathered keys). Measured: loss
@@ -233,19 +201,45 @@ TOLERANCES = {"gloo": {"loss": 1e-6, "grad": 1e-5}, "nccl": {"loss": 2e-2, "grad
 # and TE libraries (typically 2-4 GiB RSS), so that variant gets its own, device-led budget.
 HOST_BUDGET = "768MiB"
 HOST_BUDGET_BYTES = 768 << 20
+DEVICE_BUDGET = "4GiB"
+DEVICE_BUDGET_BYTES = 4 << 30
 
-BACKENDS = [
-    pytest.param("gloo", id="gloo-cpu", marks=pytest.mark.memory_budget(host=HOST_BUDGET)),
-    pytest.param(
-        "nccl", id="nccl-te", marks=[pytest.mark.gpu, pytest.mark.memory_budget(host="8GiB", device="4GiB")]
-    ),
-]
+GLOO = pytest.param("gloo", id="gloo-cpu", marks=pytest.mark.memory_budget(host=HOST_BUDGET))
+NCCL = pytest.param(
+    "nccl",
+    id="nccl-te",
+    marks=[pytest.mark.gpu, pytest.mark.memory_budget(host="8GiB", device=DEVICE_BUDGET)],
+)
+pytestmark = [pytest.mark.L0, pytest.mark.world_size(2)]
 
 
-@pytest.mark.L0
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_cp2_pretrain_then_sft_on_megatron_core(backend: str, tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class CPRun:
+    """What the scenario's two launches gave back, and where they wrote."""
+
+    scenario: Scenario
+    ranks: list[dict[str, Any]]  # the CP=2 ranks' results
+    ref: dict[str, Any]  # the CP=1 run: probe loss and gradients, and the packs
+    root: Path
+    wall_s: float
+
+    @property
+    def backend(self) -> str:
+        return self.scenario.backend
+
+    @property
+    def data(self) -> dict[str, list]:
+        return self.ref["data"]
+
+    @property
+    def tol(self) -> dict[str, float]:
+        return TOLERANCES[self.backend]
+
+
+@pytest.fixture(scope="module", params=[GLOO, NCCL])
+def cp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CPRun:
+    """The CP=2 pretrain -> SFT scenario and the CP=1 reference: once per backend, for every claim."""
+    backend = request.param
     if backend == "nccl":
         from fixtures.megatron import te_status
 
@@ -253,130 +247,212 @@ def test_cp2_pretrain_then_sft_on_megatron_core(backend: str, tmp_path: Path) ->
         if not usable:
             pytest.skip(reason)
     s = Scenario(backend=backend)
-    tol = TOLERANCES[backend]
+    root = tmp_path_factory.mktemp(f"cp_pretrain_sft_{backend}")
     started = time.perf_counter()
-    ranks = run_ranks(cp_scenario_worker, 2, backend=backend, args=(s, str(tmp_path)), timeout=240)
-    ref = run_ranks(cp1_reference_worker, 1, backend=backend, args=(s, str(tmp_path)), timeout=180)[0]
-    wall = time.perf_counter() - started
-    data = ref["data"]
+    ranks = run_ranks(cp_scenario_worker, 2, backend=backend, args=(s, str(root)), timeout=240)
+    ref = run_ranks(cp1_reference_worker, 1, backend=backend, args=(s, str(root)), timeout=180)[0]
+    run = CPRun(s, ranks, ref, root, time.perf_counter() - started)
+    _print_figures(run)
+    return run
 
-    # The layout: CP=2 and a pure DP group of one; FLOPs counted in packed (THD) mode.
-    for r in ranks:
+
+def _print_figures(run: CPRun) -> None:
+    ranks, ref = run.ranks, run.ref
+    cp2 = ranks[0]["probe_grads"]
+    max_grad_err = max((cp2[n] - g).abs().max().item() for n, g in ref["grads"].items())
+    print(
+        f"\ncp_pretrain_sft[{run.backend}]: wall {run.wall_s:.1f} s; per-rank peak RSS "
+        f"{[round(r['final_memory'].get('peak_rss_bytes', 0) / 2**20) for r in ranks]} MiB; "
+        f"pretrain losses {[round(x['loss'], 4) for x in ranks[0]['pretrain']]}; "
+        f"SFT set loss {ranks[0]['sft_before']:.4f} -> {ranks[0]['sft_after']:.4f}; "
+        f"CP2-CP1 loss {abs(ranks[0]['probe_loss'] - ref['loss']):.2g}, max grad diff {max_grad_err:.2g}"
+    )
+
+
+# ---------------------------------------------------------------------------------- the claims
+
+PHASES = ["pretrain", "sft"]
+
+
+def test_layout_is_cp2_with_a_pure_dp_group_of_one_and_packed_flops(cp_run: CPRun) -> None:
+    for r in cp_run.ranks:
         assert (r["cp_size"], r["dp_size"], r["flops_packed"]) == (2, 1, True)
 
-    # SFT without a checkpoint is refused, naming what is missing.
-    for r in ranks:
+
+def test_sft_without_a_checkpoint_is_refused_naming_what_is_missing(cp_run: CPRun) -> None:
+    for r in cp_run.ranks:
         assert r["refusal"] is not None and "no_such_checkpoint" in r["refusal"]
         assert "latest_checkpointed_iteration.txt" in r["refusal"]
 
-    # Losses are finite, identical on both CP ranks (a global token mean), and pretraining learns.
-    for phase in ("pretrain", "sft"):
-        for a, b in zip(ranks[0][phase], ranks[1][phase], strict=True):
-            assert math.isfinite(a["loss"]) and a["loss"] == b["loss"], (phase, a["loss"], b["loss"])
-            assert a["update_successful"] and math.isfinite(a["grad_norm"])
-    pre_losses = [x["loss"] for x in ranks[0]["pretrain"]]
-    assert pre_losses[0] < math.log(s.model.vocab_size) + 0.5, (
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_losses_are_finite_and_identical_on_both_cp_ranks(cp_run: CPRun, phase: str) -> None:
+    # A global token mean: the same on both CP ranks; every update applied with a finite norm.
+    for a, b in zip(cp_run.ranks[0][phase], cp_run.ranks[1][phase], strict=True):
+        assert math.isfinite(a["loss"]) and a["loss"] == b["loss"], (phase, a["loss"], b["loss"])
+        assert a["update_successful"] and math.isfinite(a["grad_norm"])
+
+
+def test_pretraining_starts_near_uniform_over_the_vocab(cp_run: CPRun) -> None:
+    first = cp_run.ranks[0]["pretrain"][0]["loss"]
+    assert first < math.log(cp_run.scenario.model.vocab_size) + 0.5, (
         "an untrained model is near uniform over the vocab"
     )
 
+
+def test_sft_lowers_the_loss_on_its_own_training_set(cp_run: CPRun) -> None:
     # SFT on a small set repeated every step: the loss on that set goes down (evaluated before
     # and after, no dropout), and so does the training loss from the first to the last step.
-    before, after = ranks[0]["sft_before"], ranks[0]["sft_after"]
+    before, after = cp_run.ranks[0]["sft_before"], cp_run.ranks[0]["sft_after"]
     assert after < 0.8 * before, f"SFT loss on its own training set went {before:.4f} -> {after:.4f}"
-    sft_losses = [x["loss"] for x in ranks[0]["sft"]]
+    sft_losses = [x["loss"] for x in cp_run.ranks[0]["sft"]]
     assert sft_losses[-1] < sft_losses[0], sft_losses
-    assert ranks[0]["sft_loaded_iteration"] == s.pretrain_steps
 
-    # Checkpoints: tracker, iteration, metadata, shard files, tensor shapes from the config.
-    _check_checkpoint(tmp_path / "pretrain", s.pretrain_steps, s.model)
-    _check_checkpoint(tmp_path / "sft", s.sft_steps, s.model)
 
-    # A model of another shape cannot load it: the error names the tensor and both shapes.
+def test_sft_loads_the_pretrain_checkpoint_at_its_last_iteration(cp_run: CPRun) -> None:
+    assert cp_run.ranks[0]["sft_loaded_iteration"] == cp_run.scenario.pretrain_steps
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_checkpoint_has_megatron_lm_layout_and_the_configured_shapes(cp_run: CPRun, phase: str) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    s = cp_run.scenario
+    iteration = s.pretrain_steps if phase == "pretrain" else s.sft_steps
+    path = cp_run.root / phase
+    tracker = path / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == str(iteration)
+    it_dir = path / f"iter_{iteration:07d}"
+    assert (it_dir / ".metadata").is_file() and (it_dir / "common.pt").is_file()
+    assert '"sharded_backend": "torch_dist"' in (it_dir / "metadata.json").read_text()
+    common = torch.load(it_dir / "common.pt", weights_only=False)
+    assert common["iteration"] == iteration
+    meta = FileSystemReader(str(it_dir)).read_metadata()
+    for key, shape in expected_checkpoint_shapes(s.model).items():
+        assert tuple(meta.state_dict_metadata[key].size) == shape, key
+        assert any(k.startswith("optimizer.") and k.endswith(key) for k in meta.state_dict_metadata), (
+            f"no optimizer state for {key}"
+        )
+    shard_files = {d.relative_path for d in meta.storage_data.values()}
+    assert shard_files and all(f.endswith(".distcp") for f in shard_files)
+    on_disk = {p.name for p in it_dir.glob("*.distcp")}
+    assert shard_files == on_disk, f"metadata names {sorted(shard_files)}, directory holds {sorted(on_disk)}"
+    assert all((it_dir / f).stat().st_size > 0 for f in on_disk)
+
+
+def test_a_model_of_another_shape_is_refused_naming_the_tensor_and_both_shapes(cp_run: CPRun) -> None:
+    s = cp_run.scenario
     bad = dataclasses.replace(s.model, ffn_hidden_size=s.bad_ffn_hidden_size)
     want, got = expected_checkpoint_shapes(bad), expected_checkpoint_shapes(s.model)
-    for r in ranks:
+    for r in cp_run.ranks:
         msg = r["mismatch"]
         assert msg is not None, "a model with another MLP width loaded the checkpoint"
         names = [k for k in want if want[k] != got[k] and f"'{k}'" in msg]
         assert len(names) == 1, msg
         assert str(got[names[0]]) in msg and str(want[names[0]]) in msg, msg
 
-    # CP=2 equals CP=1 on the same global batch at the same weights: loss and every gradient.
-    assert abs(ranks[0]["probe_loss"] - ref["loss"]) <= tol["loss"] * abs(ref["loss"]), (
+
+def test_cp2_loss_equals_cp1_on_the_same_batch_and_weights(cp_run: CPRun) -> None:
+    ranks, ref = cp_run.ranks, cp_run.ref
+    assert abs(ranks[0]["probe_loss"] - ref["loss"]) <= cp_run.tol["loss"] * abs(ref["loss"]), (
         ranks[0]["probe_loss"],
         ref["loss"],
     )
     assert ranks[0]["probe_loss"] == ranks[1]["probe_loss"]
-    cp2, cp1 = ranks[0]["probe_grads"], ref["grads"]
+
+
+def test_cp2_gradients_equal_cp1_for_every_parameter(cp_run: CPRun) -> None:
+    cp2, cp1 = cp_run.ranks[0]["probe_grads"], cp_run.ref["grads"]
     assert cp2.keys() == cp1.keys() and len(cp1) >= 10
     for name, g1 in cp1.items():
         scale = g1.abs().max().item()
         assert scale > 0, f"{name}: zero gradient, the comparison would be vacuous"
-        if backend == "gloo":
+        if cp_run.backend == "gloo":
             err = (cp2[name] - g1).abs().max().item()
-            assert err <= tol["grad"] * scale, (
+            assert err <= cp_run.tol["grad"] * scale, (
                 f"{name}: CP=2 vs CP=1 gradient off by {err:.3g} (max |g| {scale:.3g})"
             )
         else:
             err = ((cp2[name] - g1).norm() / g1.norm()).item()
-            assert err <= tol["grad"], f"{name}: CP=2 vs CP=1 gradient relative error {err:.3g}"
+            assert err <= cp_run.tol["grad"], f"{name}: CP=2 vs CP=1 gradient relative error {err:.3g}"
 
-    # FLOPs: packed mode, every CP rank counts the full pack once; the cumulative total is the sum
-    # over steps of the formula on the packs that went through.
+
+def test_step_flops_are_megatron_lm_formula_on_each_steps_packs_counted_once(cp_run: CPRun) -> None:
+    # Packed mode: every CP rank counts the full pack once.
+    s, data = cp_run.scenario, cp_run.data
     pre_expected = [expected_step_flops(s.model, mbs) for mbs in data["pretrain_steps"]]
     sft_expected = [expected_step_flops(s.model, data["sft"])] * s.sft_steps
-    for r in ranks:
+    for r in cp_run.ranks:
         assert [x["step_flops"] for x in r["pretrain"]] == pre_expected
         assert [x["step_flops"] for x in r["sft"]] == sft_expected
+
+
+def test_cumulative_flops_sum_the_steps_and_finetune_restarts_at_zero(cp_run: CPRun) -> None:
+    s, data = cp_run.scenario, cp_run.data
+    pre_expected = [expected_step_flops(s.model, mbs) for mbs in data["pretrain_steps"]]
+    sft_expected = [expected_step_flops(s.model, data["sft"])] * s.sft_steps
+    for r in cp_run.ranks:
         assert r["pretrain_total_flops"] == sum(pre_expected) == r["pretrain"][-1]["total_flops"]
         assert r["sft_total_flops"] == sum(sft_expected)  # finetune starts its counter at zero
 
-    # TensorBoard (rank 0 writes): interval TFLOP/s per GPU and the memory peaks, read back.
-    for phase, steps in (("pretrain", s.pretrain_steps), ("sft", s.sft_steps)):
-        scalars = read_scalars(tmp_path / f"tb_{phase}")
-        results = ranks[0][phase]
-        tput = scalars["throughput/tflops_per_gpu"]
-        assert [step for step, _ in tput] == list(range(1, steps + 1))
-        for (_, logged), res in zip(tput, results, strict=True):
-            assert logged > 0 and math.isclose(logged, res["tflops_per_gpu"], rel_tol=1e-6)
-            # The interval those TFLOP/s imply: this step's FLOPs / (TFLOP/s x 1e12 x 2 GPUs).
-            implied_s = res["step_flops"] / (logged * 1e12 * 2)
-            assert 0 < implied_s < ranks[0][f"{phase}_wall_s"] + 60, implied_s
-        peak_key = "memory/peak_rss_bytes" if backend == "gloo" else "memory/peak_allocated_bytes"
-        local_key = peak_key.removeprefix("memory/")
-        peaks = scalars[peak_key]
-        assert len(peaks) == steps
-        for (_, logged), i in zip(peaks, range(steps), strict=True):
-            across = max(r[phase][i]["local_memory"][local_key] for r in ranks)
-            assert math.isclose(logged, across, rel_tol=1e-6), (logged, across)  # the MAX over ranks
-        assert scalars["loss"][-1][1] == pytest.approx(results[-1]["loss"], rel=1e-6)
 
-    # Every rank stays inside the budget (the launcher enforces the marker too).
-    if backend == "gloo":
-        for r in ranks:
+@pytest.mark.parametrize("phase", PHASES)
+def test_tensorboard_throughput_is_each_steps_interval_tflops(cp_run: CPRun, phase: str) -> None:
+    steps = cp_run.scenario.pretrain_steps if phase == "pretrain" else cp_run.scenario.sft_steps
+    tput = read_scalars(cp_run.root / f"tb_{phase}")["throughput/tflops_per_gpu"]
+    results = cp_run.ranks[0][phase]
+    assert [step for step, _ in tput] == list(range(1, steps + 1))
+    for (_, logged), res in zip(tput, results, strict=True):
+        assert logged > 0 and math.isclose(logged, res["tflops_per_gpu"], rel_tol=1e-6)
+        # The interval those TFLOP/s imply: this step's FLOPs / (TFLOP/s x 1e12 x 2 GPUs).
+        implied_s = res["step_flops"] / (logged * 1e12 * 2)
+        assert 0 < implied_s < cp_run.ranks[0][f"{phase}_wall_s"] + 60, implied_s
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_tensorboard_memory_peak_is_the_max_over_ranks(cp_run: CPRun, phase: str) -> None:
+    steps = cp_run.scenario.pretrain_steps if phase == "pretrain" else cp_run.scenario.sft_steps
+    peak_key = "memory/peak_rss_bytes" if cp_run.backend == "gloo" else "memory/peak_allocated_bytes"
+    local_key = peak_key.removeprefix("memory/")
+    peaks = read_scalars(cp_run.root / f"tb_{phase}")[peak_key]
+    assert len(peaks) == steps
+    for (_, logged), i in zip(peaks, range(steps), strict=True):
+        across = max(r[phase][i]["local_memory"][local_key] for r in cp_run.ranks)
+        assert math.isclose(logged, across, rel_tol=1e-6), (logged, across)  # the MAX over ranks
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_tensorboard_loss_is_the_steps_loss(cp_run: CPRun, phase: str) -> None:
+    scalars = read_scalars(cp_run.root / f"tb_{phase}")
+    assert scalars["loss"][-1][1] == pytest.approx(cp_run.ranks[0][phase][-1]["loss"], rel=1e-6)
+
+
+def test_every_rank_stays_inside_its_memory_budget(cp_run: CPRun) -> None:
+    # The launcher enforces the marker too; this is the rank's own report at the end of the run.
+    for r in cp_run.ranks:
+        if cp_run.backend == "gloo":
             assert 0 < r["final_memory"]["peak_rss_bytes"] < HOST_BUDGET_BYTES, r["final_memory"]
-    max_grad_err = max((cp2[n] - g).abs().max().item() for n, g in cp1.items())
-    print(
-        f"\ncp_pretrain_sft[{backend}]: wall {wall:.1f} s; per-rank peak RSS "
-        f"{[round(r['final_memory'].get('peak_rss_bytes', 0) / 2**20) for r in ranks]} MiB; "
-        f"pretrain losses {[round(x, 4) for x in pre_losses]}; SFT set loss {before:.4f} -> {after:.4f}; "
-        f"CP2-CP1 loss {abs(ranks[0]['probe_loss'] - ref['loss']):.2g}, max grad diff {max_grad_err:.2g}"
-    )
+        else:
+            assert 0 < r["final_memory"]["peak_allocated_bytes"] < DEVICE_BUDGET_BYTES, r["final_memory"]
 
-    if backend == "nccl":
-        from functional.test_attention_cp import te_vs_reference_worker
 
-        cases = [
-            (
-                p.lengths,
-                p.padded_lengths,
-                s.model.num_attention_heads,
-                s.model.num_query_groups,
-                s.model.hidden_size // s.model.num_attention_heads,
-                i,
-            )
-            for i, p in enumerate(data["sft"])
-        ]
-        for results in run_ranks(te_vs_reference_worker, 2, backend="nccl", args=(cases,), timeout=300):
-            for res in results:
-                assert res["out"] < 3e-2 and max(res["dq"], res["dk"], res["dv"]) < 6e-2, res
+@pytest.mark.parametrize("cp_run", [NCCL], indirect=True)
+def test_te_attention_matches_the_reference_on_the_sft_packs(cp_run: CPRun) -> None:
+    # GPU only: on CPU the model's attention is the reference itself.
+    from fixtures.attention_te import te_vs_reference_worker
+
+    m = cp_run.scenario.model
+    cases = [
+        (
+            p.lengths,
+            p.padded_lengths,
+            m.num_attention_heads,
+            m.num_query_groups,
+            m.hidden_size // m.num_attention_heads,
+            i,
+        )
+        for i, p in enumerate(cp_run.data["sft"])
+    ]
+    for results in run_ranks(te_vs_reference_worker, 2, backend="nccl", args=(cases,), timeout=300):
+        for res in results:
+            assert res["out"] < 3e-2 and max(res["dq"], res["dk"], res["dv"]) < 6e-2, res

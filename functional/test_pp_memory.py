@@ -1,40 +1,42 @@
-"""PP memory MAX end to end: megatron-core's 1F1B schedule, memory logged every step, read back.
+"""PP memory MAX end to end: megatron-core's pipeline schedules, memory logged every step, read back.
 
 The upstream bug (Megatron-Bridge #3167, fixed by #3645): TensorBoard memory comes from the last
 rank, the last pipeline stage, but the peak lives on the first stage, which holds the most
-activations in flight. Here a tiny GPT trains over a real PP=2 pipeline
-(`forward_backward_pipelining_without_interleaving`, p2p over gloo on CPU) with memory logging on
-every step, as `training_log` does it:
+activations in flight. Here a tiny GPT trains on the shared harness (`fixtures.training.Trainer`)
+over a real pipeline (1F1B, or interleaved 1F1B with a virtual pipeline; p2p over gloo on CPU)
+with memory logged on every step, as `training_log` does it:
 
-- every rank calls `memory_report()` and writes that pre-reduction report to its own JSON file;
+- every rank takes its own `memory_report()` after the step (`StepResult.local_memory`) and reads
+  its kernel high-water mark (VmHWM) right after;
 - every rank calls `reduce_max_memory(report, pp_group, return_ranks=True)` (one collective);
-- the last rank (the writer) logs `memory/<key>` to TensorBoard and the exact values and the
-  ranks holding each maximum to a JSON lines file.
+- the last rank (the writer) logs `memory/<key>` to TensorBoard; the exact values and the ranks
+  holding each maximum come back in its `StepResult`.
 
-The test reads the event files back and checks each value against the max of the stages' own
-reports, and each report's host peak against the rank's own kernel high-water mark (VmHWM). TensorBoard stores scalars as float32, so a byte count above 2**24 does not survive
-exactly: TB values are compared with the float32 rounding of the exact maximum (which is what a
-correct writer produces, bit for bit), and the exact integers are compared through the JSON lines
-sink.
+Each scenario runs twice per module (logging on, logging off) in a module-scoped fixture, and
+each claim is its own test. The tests read the event files back and check each value against the
+max of the stages' own reports, and each report's host peak against the rank's own VmHWM.
+TensorBoard stores scalars as float32, so a byte count above 2**24 does not survive exactly: TB
+values are compared with the float32 rounding of the exact maximum (which is what a correct
+writer produces, bit for bit), and the exact integers are compared through the step results.
 
 Why stage 0 really uses more memory on CPU, where the report is the process' RSS: under 1F1B the
-first stage runs `pp_size - 1` warm-up forwards before its first backward, so with 4 microbatches
-it holds the activations of two microbatches at once while the last stage holds one; the scenario
-makes one microbatch's activations large (sequence 512, hidden 256, about 40-60 MB per layer) so
-that this, not allocator noise, decides the peak, and puts the same number of layers and no
-logits-sized tensors (vocabulary 128) on each stage. The test asserts that stage 0's own peak is
-the larger one, so a pipeline where the last stage's report happened to win would be noticed.
+first stage runs `pp_size - 1` warm-up forwards before its first backward (interleaved: more), so
+with 4 microbatches it holds the activations of more microbatches at once than the last stage;
+the scenario makes one microbatch's activations large (sequence 512, hidden 256, about 40-60 MB
+per layer) so that this, not allocator noise, decides the peak, and puts the same number of
+layers and no logits-sized tensors (vocabulary 128) on each stage. A test asserts that stage 0's
+own peak is the larger one, so a pipeline where the last stage's report happened to win would be
+noticed.
 
 Collectives are counted for real inside each rank (`fixtures.collectives.CollectiveCounter`):
-a logging step adds exactly one all-reduce over the PP group; with logging disabled the logging
+a logging step adds exactly one collective over the PP group; with logging disabled the logging
 block runs none, and the training steps run the same collectives either way.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +44,10 @@ import numpy as np
 import pytest
 
 from fixtures.collectives import CollectiveCounter
+from fixtures.oracles import max_over_ranks, megatron_lm_step_flops
 from fixtures.ranks import run_ranks
 from fixtures.tensorboard import read_scalars
+from fixtures.training import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class PPScenario:
     name: str
     world_size: int
     pp: int
+    vpp: int | None = None
     steps: int = 3
     microbatches: int = 4
     micro_batch_size: int = 2
@@ -66,277 +71,262 @@ class PPScenario:
     def dp(self) -> int:
         return self.world_size // self.pp
 
+    @property
+    def model(self) -> ModelConfig:
+        """Megatron's plain GPT block (GeLU MLP 4h, LayerNorm, full multi-head attention)."""
+        return ModelConfig(
+            num_layers=self.layers_per_stage * self.pp,
+            hidden_size=self.hidden,
+            ffn_hidden_size=4 * self.hidden,
+            num_attention_heads=self.heads,
+            num_query_groups=self.heads,
+            vocab_size=self.vocab,
+            max_sequence_length=self.seq_length,
+            gated_linear_unit=False,
+            normalization="LayerNorm",
+        )
+
 
 PP2 = PPScenario("pp2", world_size=2, pp=2)
 DP2_PP2 = PPScenario("dp2xpp2", world_size=4, pp=2)
+# Interleaved 1F1B: two chunks of one layer on each stage.
+PP2_VPP2 = PPScenario("pp2xvpp2", world_size=2, pp=2, vpp=2, layers_per_stage=2)
 
 
-def _batches(scenario: PPScenario, seed: int):
-    """Endless microbatches of random tokens (identical on every stage of a DP replica)."""
+def _microbatches(scenario: PPScenario, step: int, dp_rank: int) -> list:
+    """One step's micro batches of random tokens (identical on every stage of a DP replica)."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    from fixtures.training import DenseBatch
+
+    gen = torch.Generator().manual_seed(1000 * step + dp_rank)
     b, s = scenario.micro_batch_size, scenario.seq_length
-    while True:
+    out = []
+    for _ in range(scenario.microbatches):
         tokens = torch.randint(0, scenario.vocab, (b, s + 1), generator=gen)
-        yield {
-            "tokens": tokens[:, :-1].contiguous(),
-            "labels": tokens[:, 1:].contiguous(),
-            "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
-        }
+        out.append(DenseBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), torch.ones(b, s)))
+    return out
 
 
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach()}
-
-    return output, loss_func
-
-
-def _build(scenario: PPScenario):
-    """GPTModel stage + megatron DDP + megatron optimizer, for this rank's pipeline stage."""
-    import torch
-    from megatron.core import parallel_state
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-
-    from fixtures.megatron import gpt_layer_spec
-
-    config = TransformerConfig(
-        num_layers=scenario.layers_per_stage * scenario.pp,
-        hidden_size=scenario.hidden,
-        num_attention_heads=scenario.heads,
-        ffn_hidden_size=4 * scenario.hidden,
-        pipeline_model_parallel_size=scenario.pp,
-        pipeline_dtype=torch.float32,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=gpt_layer_spec(),
-        vocab_size=scenario.vocab,
-        max_sequence_length=scenario.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
-    )
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    config.no_sync_func = ddp.no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), [ddp])
-    return ddp, optimizer
-
-
-def log_memory(step: int, *, enabled: bool, interval: int, pp_group, writer, own_sink, reduced_sink) -> None:
-    """The upstream `training_log` memory block, gated by configuration only (same on all ranks)."""
-    import torch
-
-    from accounting import memory_report, reduce_max_memory
-    from fixtures.rank_worker import peak_rss_bytes  # the launcher's VmHWM reader, not accounting's
-
-    if not (enabled and step % interval == 0):
-        return
-    report = memory_report()
-    own_sink.append(
-        {
-            "step": step,
-            "rank": torch.distributed.get_rank(),
-            "report": report,
-            "vmhwm_bytes": peak_rss_bytes(),
-        }
-    )
-    values, ranks = reduce_max_memory(report, pp_group, return_ranks=True)
-    if writer is not None:
-        for key, value in values.items():
-            writer.add_scalar(f"memory/{key}", value, step)
-        reduced_sink.append({"step": step, "values": values, "ranks": ranks})
-
-
-def pp_memory_rank(rank: int, world_size: int, scenario_fields: dict, out: str, log_enabled: bool) -> dict:
+def pp_memory_rank(rank: int, world_size: int, scenario: PPScenario, out: str, log_enabled: bool) -> dict:
     """One rank: train `steps` steps over the pipeline, logging memory after each one."""
     import torch
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from accounting import memory_report, reduce_max_memory
-    from fixtures.megatron import cpu_shim, destroy_model_parallel, init_model_parallel
+    from fixtures.megatron import cpu_shim, destroy_model_parallel
+    from fixtures.rank_worker import peak_rss_bytes  # the launcher's VmHWM reader, not accounting's
+    from fixtures.training import ParallelConfig, TrainConfig, Trainer
 
-    scenario = PPScenario(**scenario_fields)
-    out_dir = Path(out)
     with cpu_shim():
-        init_model_parallel(pipeline_model_parallel_size=scenario.pp)
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        model, optimizer = _build(scenario)
-        writer = None
-        if rank == world_size - 1 and log_enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(str(out_dir / "tb"))
+        trainer = Trainer(
+            scenario.model,
+            ParallelConfig(pp=scenario.pp, vpp=scenario.vpp),
+            TrainConfig(
+                packed=False,
+                tensorboard_dir=str(Path(out) / "tb") if log_enabled else None,
+                tensorboard_rank=-1,  # the last rank writes, as in Megatron-LM
+                log_memory=log_enabled,
+                memory_group="pipeline",
+            ),
+        )
+        ps = trainer.ps
+        has_writer = trainer.writer is not None
+        pp_group = ps.get_pipeline_model_parallel_group()
+        dp_rank = ps.get_data_parallel_rank()
         counter = CollectiveCounter().install()
-        own: list[dict] = []
-        reduced: list[dict] = []
-        data = _batches(scenario, seed=1000 + parallel_state.get_data_parallel_rank())
-        forward_backward = get_forward_backward_func()
-        losses = []
+        steps: list[dict[str, Any]] = []
         try:
             for step in range(1, scenario.steps + 1):
+                batches = _microbatches(scenario, step, dp_rank)
                 counter.phase = "train"
-                model.zero_grad_buffer()
-                optimizer.zero_grad()
-                result = forward_backward(
-                    forward_step_func=_forward_step,
-                    data_iterator=data,
-                    model=[model],
-                    num_microbatches=scenario.microbatches,
-                    seq_length=scenario.seq_length,
-                    micro_batch_size=scenario.micro_batch_size,
-                )
-                optimizer.step()
-                if result:
-                    losses.append(float(torch.stack([r["lm loss"] for r in result]).mean()))
+                result = trainer.step(batches)
                 counter.phase = "log"
-                log_memory(
-                    step,
-                    enabled=log_enabled,
-                    interval=1,
-                    pp_group=pp_group,
-                    writer=writer,
-                    own_sink=own,
-                    reduced_sink=reduced,
+                trainer.log(result)
+                steps.append(
+                    {
+                        "step": result.iteration,
+                        "loss": result.loss,
+                        "step_flops": result.step_flops,
+                        "report": result.local_memory,
+                        "vmhwm_bytes": peak_rss_bytes(),  # after the report: bounds its peak
+                        "values": result.memory,
+                        "ranks": result.memory_ranks,
+                    }
                 )
             # The contract's no-op: a size-1 group (the tensor-parallel group here, TP = 1) must
             # not communicate, and returns its input itself.
             counter.phase = "size_one"
             probe = memory_report()
-            tp_group = parallel_state.get_tensor_model_parallel_group()
+            tp_group = ps.get_tensor_model_parallel_group()
             assert tp_group.size() == 1
             same = reduce_max_memory(probe, tp_group)
         finally:
             counter.uninstall()
-            if writer is not None:
-                writer.close()
-        suffix = "on" if log_enabled else "off"
-        (out_dir / f"own_{suffix}_rank{rank}.json").write_text(json.dumps(own))
-        if writer is not None:
-            (out_dir / "reduced.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reduced))
+            trainer.close()
         result = {
             "rank": rank,
-            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "writer": has_writer,
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "pp_group_ranks": torch.distributed.get_process_group_ranks(pp_group),
-            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "dp_size": ps.get_data_parallel_world_size(),
+            "chunks": len(trainer.model),
             "calls": counter.calls,
             "size_one_noop": same is probe,
-            "losses": losses,
+            "steps": steps,
         }
         destroy_model_parallel()
     return result
 
 
-def _expected_max(reports: dict[int, dict], key: str) -> tuple[Any, int]:
-    """The max of `key` over the ranks' own reports, and the lowest rank holding it."""
-    best_rank = min(reports, key=lambda r: (-reports[r][key], r))
-    return reports[best_rank][key], best_rank
+@dataclass(frozen=True)
+class PPRun:
+    """What one scenario's two launches gave back."""
+
+    scenario: PPScenario
+    on: list[dict]  # per rank, logging on
+    off: list[dict]  # per rank, logging off
+    tb: dict[str, dict[int, float]]  # the writer's TensorBoard scalars, by tag and step
+
+    @property
+    def writer(self) -> dict:
+        return self.on[self.scenario.world_size - 1]
+
+    @property
+    def group(self) -> list[int]:
+        return self.writer["pp_group_ranks"]
+
+    def reports(self, step: int) -> dict[int, dict]:
+        """The writer's pipeline group's own reports at `step`, by global rank."""
+        return {r: self.on[r]["steps"][step - 1]["report"] for r in self.group}
 
 
-def _check_host_peak_is_this_process(entry: dict, rank: int, step: int) -> None:
+SCENARIOS = [
+    # measured peak ~570-610 MB per rank
+    pytest.param(PP2, marks=[pytest.mark.L0, pytest.mark.world_size(2)], id=PP2.name),
+    # 4 ranks on a 2-core runner: ~30 s idle, 67-95 s on a loaded machine; L1 keeps L0 short.
+    pytest.param(DP2_PP2, marks=[pytest.mark.L1, pytest.mark.world_size(4)], id=DP2_PP2.name),
+    pytest.param(PP2_VPP2, marks=[pytest.mark.L1, pytest.mark.world_size(2)], id=PP2_VPP2.name),
+]
+pytestmark = pytest.mark.memory_budget(host="1GiB")
+
+
+@pytest.fixture(scope="module", params=SCENARIOS)
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> PPRun:
+    """The scenario, logging on and logging off: once per module, for every claim below."""
+    scenario: PPScenario = request.param
+    out = tmp_path_factory.mktemp(scenario.name)
+    on = run_ranks(pp_memory_rank, scenario.world_size, args=(scenario, str(out), True), timeout=300)
+    off = run_ranks(
+        pp_memory_rank, scenario.world_size, args=(scenario, str(out / "off"), False), timeout=300
+    )
+    tb = {tag: dict(events) for tag, events in read_scalars(out / "tb").items()}
+    for rank, res in enumerate(on):
+        print(
+            f"[{scenario.name}] rank {rank}: report at last step {res['steps'][-1]['report']} "
+            f"losses {[round(s['loss'], 4) for s in res['steps']]}"
+        )
+    return PPRun(scenario, on, off, tb)
+
+
+def test_layout_is_the_scenarios_pipeline(run: PPRun) -> None:
+    s = run.scenario
+    assert len(run.group) == s.pp and run.writer["dp_size"] == s.dp
+    assert all(res["chunks"] == (s.vpp or 1) for res in run.on)
+    assert [res["writer"] for res in run.on] == [False] * (s.world_size - 1) + [True]
+
+
+def test_writer_logs_every_step_with_every_report_key(run: PPRun) -> None:
+    steps = list(range(1, run.scenario.steps + 1))
+    assert [e["step"] for e in run.writer["steps"]] == steps
+    assert all(e["values"] is not None for e in run.writer["steps"])
+    keys = set(run.writer["steps"][0]["report"])
+    memory_tags = {t.removeprefix("memory/") for t in run.tb if t.startswith("memory/")}
+    assert keys and memory_tags == keys
+    for r in run.group:
+        assert [e["step"] for e in run.on[r]["steps"]] == steps
+
+
+def test_logged_values_are_the_max_over_the_pipeline_group_exactly(run: PPRun) -> None:
+    for entry in run.writer["steps"]:
+        step = entry["step"]
+        want, want_ranks = max_over_ranks(run.reports(step))
+        for key, value in want.items():
+            got = entry["values"][key]
+            assert got == value and type(got) is type(value), (step, key, got, value)
+            if isinstance(value, int):
+                assert type(got) is int and not isinstance(got, bool), (key, got)
+            assert entry["ranks"][key] == want_ranks[key], (step, key, entry["ranks"][key], want_ranks[key])
+
+
+def test_tensorboard_holds_the_float32_rounding_of_the_exact_max(run: PPRun) -> None:
+    for entry in run.writer["steps"]:
+        step = entry["step"]
+        want, _ = max_over_ranks(run.reports(step))
+        for key, value in want.items():
+            # TensorBoard keeps float32: the logged value is the float32 rounding of the exact max.
+            assert run.tb[f"memory/{key}"][step] == float(np.float32(value)), (step, key)
+            if math.isfinite(value) and abs(value) > 2**24 and float(np.float32(value)) != value:
+                assert run.tb[f"memory/{key}"][step] != value  # the reason for the exact values
+
+
+def test_first_stage_holds_the_peak_strictly_on_every_step(run: PPRun) -> None:
+    # The bug this guards against needs stage 0 to be the larger one; check that it is.
+    first = next(r for r in run.group if run.on[r]["pp_rank"] == 0)
+    keys = run.writer["steps"][0]["report"]
+    peak_keys = [k for k in keys if "peak" in k or "max" in k]
+    assert peak_keys, keys
+    for step in range(1, run.scenario.steps + 1):
+        reports = run.reports(step)
+        # Strictly larger, not a tie won by the lower rank: the stages must really differ.
+        assert any(
+            all(reports[first][k] > reports[r][k] for r in run.group if r != first) for k in peak_keys
+        ), f"step {step}: stage 0 should hold the peak: {reports}"
+
+
+def test_host_peak_is_within_this_process_rss_and_vmhwm(run: PPRun) -> None:
     """On CPU the report's peak must be the rank's own high-water mark, not an inherited one.
 
     `getrusage(RUSAGE_SELF).ru_maxrss` survives `execve`: a rank spawned by a large pytest
     process starts with the parent's RSS as its "peak". The kernel's VmHWM (read after the
     report) is per address space and bounds the true peak from above.
     """
-    report, hwm = entry["report"], entry["vmhwm_bytes"]
-    if "peak_rss_bytes" not in report:
-        return  # a CUDA report
-    assert report["rss_bytes"] <= report["peak_rss_bytes"] <= hwm, (
-        f"rank {rank} step {step}: peak_rss_bytes {report['peak_rss_bytes']} is not within "
-        f"[rss_bytes {report['rss_bytes']}, this process' VmHWM {hwm}]"
-    )
+    for res in run.on:
+        for entry in res["steps"]:
+            report, hwm = entry["report"], entry["vmhwm_bytes"]
+            if "peak_rss_bytes" not in report:
+                continue  # a CUDA report
+            assert report["rss_bytes"] <= report["peak_rss_bytes"] <= hwm, (
+                f"rank {res['rank']} step {entry['step']}: peak_rss_bytes {report['peak_rss_bytes']} is not "
+                f"within [rss_bytes {report['rss_bytes']}, this process' VmHWM {hwm}]"
+            )
 
 
-def _check_scenario(scenario: PPScenario, tmp_path: Path) -> dict:
-    on = run_ranks(pp_memory_rank, scenario.world_size, args=(asdict(scenario), str(tmp_path), True))
-    off = run_ranks(pp_memory_rank, scenario.world_size, args=(asdict(scenario), str(tmp_path), False))
-    writer = scenario.world_size - 1
-    group = on[writer]["pp_group_ranks"]
-    assert len(group) == scenario.pp and on[writer]["dp_size"] == scenario.dp
-
-    own = {r: json.loads((tmp_path / f"own_on_rank{r}.json").read_text()) for r in range(scenario.world_size)}
-    reduced = [json.loads(line) for line in (tmp_path / "reduced.jsonl").read_text().splitlines()]
-    tb = {tag: dict(events) for tag, events in read_scalars(tmp_path / "tb").items()}
-    assert [r["step"] for r in reduced] == list(range(1, scenario.steps + 1))
-    keys = set(own[writer][0]["report"])
-    assert keys and {t.removeprefix("memory/") for t in tb} == keys
-
-    first_stage_won = 0
-    for entry in reduced:
-        step = entry["step"]
-        reports = {r: own[r][step - 1]["report"] for r in group}
-        assert all(own[r][step - 1]["step"] == step for r in group)
-        for key in keys:
-            want, want_rank = _expected_max(reports, key)
-            got = entry["values"][key]
-            assert got == want and type(got) is type(want), (step, key, got, want)
-            if isinstance(want, int):
-                assert type(got) is int and not isinstance(got, bool), (key, got)
-            assert entry["ranks"][key] == want_rank, (step, key, entry["ranks"][key], want_rank)
-            # TensorBoard keeps float32: the logged value is the float32 rounding of the exact max.
-            assert tb[f"memory/{key}"][step] == float(np.float32(want)), (step, key)
-            if math.isfinite(want) and abs(want) > 2**24 and float(np.float32(want)) != want:
-                assert tb[f"memory/{key}"][step] != want  # the reason for the exact JSON sink
-        peak_keys = [k for k in keys if "peak" in k or "max" in k]
-        first = next(r for r in group if on[r]["pp_rank"] == 0)
-        # Strictly larger, not a tie won by the lower rank: the stages must really differ.
-        if any(all(reports[first][k] > reports[r][k] for r in group if r != first) for k in peak_keys):
-            first_stage_won += 1
-        for r in group:
-            _check_host_peak_is_this_process(own[r][step - 1], r, step)
-    # The bug this guards against needs stage 0 to be the larger one; check that it is.
-    assert first_stage_won == len(reduced), "stage 0 should hold the peak on every logged step"
-
-    for res in on:
-        # One collective per logging step, over the pipeline group (all_reduce without ranks,
-        # all_gather_into_tensor when the ranks of the maxima are asked for).
+def test_each_logging_step_is_one_collective_over_the_pipeline_group(run: PPRun) -> None:
+    for res in run.on:
+        # One collective per logging step, over the pipeline group (all_gather_into_tensor: the
+        # ranks of the maxima are asked for).
         log_calls = res["calls"].get("log", [])
-        assert len(log_calls) == scenario.steps, log_calls
+        assert len(log_calls) == run.scenario.steps, log_calls
         assert all(c.endswith(str(res["pp_group_ranks"])) for c in log_calls), log_calls
-    for res_on, res_off in zip(on, off, strict=True):
+
+
+def test_logging_off_runs_no_collective_and_the_same_training_ones(run: PPRun) -> None:
+    for res_on, res_off in zip(run.on, run.off, strict=True):
         assert res_off["calls"].get("log", []) == []  # logging disabled: no collective at all
         assert res_off["calls"].get("train") == res_on["calls"].get("train")
-        assert res_on["calls"].get("size_one", []) == [] and res_on["size_one_noop"]
-    assert not (tmp_path / "own_off_rank0.json").read_text().strip("[]")
-    return {
-        r: {"peak_keys": {k: own[r][-1]["report"][k] for k in keys}, "losses": on[r]["losses"]}
-        for r in range(scenario.world_size)
-    }
+        assert all(e["values"] is None for e in res_off["steps"])  # nothing was reduced
+        assert not res_off["writer"]
 
 
-def _print_figures(scenario: PPScenario, figures: dict) -> None:
-    for rank, fig in figures.items():
-        print(f"[{scenario.name}] rank {rank}: report at last step {fig['peak_keys']} losses {fig['losses']}")
+def test_size_one_group_is_a_no_op_without_communication(run: PPRun) -> None:
+    for res in run.on:
+        assert res["calls"].get("size_one", []) == [] and res["size_one_noop"]
 
 
-@pytest.mark.memory_budget(host="1GiB")  # measured peak ~570-610 MB per rank
-@pytest.mark.parametrize(
-    "scenario",
-    [
-        pytest.param(PP2, marks=[pytest.mark.L0, pytest.mark.world_size(2)], id=PP2.name),
-        # 4 ranks on a 2-core runner: ~30 s idle, 67-95 s on a loaded machine; L1 keeps L0 short.
-        pytest.param(DP2_PP2, marks=[pytest.mark.L1, pytest.mark.world_size(4)], id=DP2_PP2.name),
-    ],
-)
-def test_last_rank_logs_the_max_over_its_pipeline_group(scenario: PPScenario, tmp_path: Path) -> None:
-    figures = _check_scenario(scenario, tmp_path)
-    _print_figures(scenario, figures)
+def test_every_rank_counts_each_micro_batch_once(run: PPRun) -> None:
+    # Every stage runs the forward step; under VPP every chunk does, and only chunk 0 counts.
+    s = run.scenario
+    rows = [s.seq_length] * (s.microbatches * s.micro_batch_size * s.dp)
+    want = megatron_lm_step_flops(s.model, rows)
+    for res in run.on:
+        assert [e["step_flops"] for e in res["steps"]] == [want] * s.steps, res["rank"]
