@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -113,7 +114,11 @@ def oom_rank(rank: int, world_size: int, size_bytes: int) -> None:
 
 
 def hang_rank(rank: int, world_size: int, marker: str) -> None:
-    """An all_reduce that cannot complete, on a group made as megatron makes its groups (30 min)."""
+    """An all_reduce that cannot complete, on a group made as megatron makes its groups (30 min).
+
+    The collective waits behind a kernel that spins for minutes; the host then polls it, as a
+    training loop waiting on it would, without holding the GIL (the dump needs it for stacks).
+    """
     from datetime import timedelta
 
     import torch
@@ -124,9 +129,10 @@ def hang_rank(rank: int, world_size: int, marker: str) -> None:
     dist.all_reduce(t, group=group)  # collective #1 completes
     torch.cuda.synchronize()
     torch.cuda._sleep(2**40)  # minutes of spinning on the current stream
-    dist.all_reduce(t, group=group)  # #2 waits behind it: enqueued, never completes
+    work = dist.all_reduce(t, group=group, async_op=True)  # #2: enqueued, never completes
     Path(marker).write_text("entered")
-    t.sum().item()  # the host waits for it
+    while not work.is_completed():
+        time.sleep(0.1)
 
 
 def sync_rank(rank: int, world_size: int, device: str) -> dict[str, Any]:
@@ -558,7 +564,7 @@ class Check:
                 raise StepFailed(f"pytest did not finish within {timeout:.0f} s (log: {log})") from None
         tail = log.read_text().strip().splitlines()[-1:] or [""]
         figures: dict[str, Any] = {
-            "command": " ".join(cmd),
+            "command": shlex.join(cmd),
             "env": env,
             "returncode": proc.returncode,
             "last_line": tail[0],
@@ -610,7 +616,7 @@ def bench_add_microbatch(
 
     def item_per_microbatch(cu: torch.Tensor) -> torch.Tensor:
         row = cu[0]
-        end = int(torch.argmin(row).item()) if bool((row < 0).any().item()) else row.numel()
+        end = int(torch.argmin(row).item())  # the first -1 of the tail: the one sync
         lengths = row[1:end] - row[: end - 1]
         return (lengths.to(torch.int64) ** 2).sum()
 
