@@ -119,10 +119,10 @@ def device_memory_cap(budget_device: int | None, environ: Mapping[str, str] | No
 def apply_device_cap(rank: int, backend: str, cap: int | None) -> str:
     """Select this rank's GPU and cap its allocator; returns what it did (for the rank log).
 
-    NCCL ranks select ``rank % device_count`` and get the cap now, before anything allocates
-    (NCCL needs the device set before the process group). Any other rank must not create a CUDA
-    context for a cap alone: the cap is queued with torch's lazy-initialisation hook and applies
-    when (if ever) the rank first touches CUDA. Returns ``"eager"``, ``"lazy"`` or ``"none"``.
+    Every capped or NCCL rank selects ``rank % device_count``. NCCL ranks do it now, before
+    anything allocates (NCCL needs the device set before the process group). Any other rank must
+    not create a CUDA context for a cap alone: device and cap are queued with torch's
+    lazy-initialisation hook and apply when (if ever) the rank first touches CUDA. Returns ``"eager"``, ``"lazy"`` or ``"none"``.
     """
     import torch
 
@@ -132,13 +132,13 @@ def apply_device_cap(rank: int, backend: str, cap: int | None) -> str:
         return "none"
 
     def cap_now() -> None:
+        # One device per rank, as before the cap became lazy; the fraction is set before the
+        # rank's first allocation on it.
         local = rank % max(1, torch.cuda.device_count())
-        if backend == "nccl":
-            torch.cuda.set_device(local)
+        torch.cuda.set_device(local)
         if cap is not None:
-            device = torch.cuda.current_device() if backend != "nccl" else local
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+            total = torch.cuda.get_device_properties(local).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), local)
 
     if backend == "nccl":
         cap_now()
