@@ -193,24 +193,28 @@ class GpuGate:
     reason: str = ""
 
 
-def gpu_gate(visible: int, need: int, required: int) -> GpuGate:
-    """Decide a ``gpu`` test needing ``need`` GPUs when ``visible`` are seen and ``required`` promised.
+def gpu_gate(visible: int, need: int | None, required: int) -> GpuGate:
+    """Decide a ``gpu`` test when ``visible`` GPUs are seen and ``required`` are promised.
 
-    Enough GPUs: run. Too few: skip with the reason, unless the job promised at least ``need``
+    ``need`` is its ``world_size(n)`` marker's n, or None without one (one GPU). Enough GPUs: run.
+    Too few: skip with the plugin's reason, unless the job promised at least what the test needs
     (``KIT_REQUIRE_GPUS``), in which case the missing GPUs are the job's failure, not a skip, so a
     GPU job can no longer go green with every GPU test skipped. A test needing more than the job
     promised still skips.
     """
-    if need < 1:
-        raise ValueError(f"a gpu test needs at least 1 GPU, got need={need}")
-    if visible >= need:
+    if need is not None and need < 1:
+        raise ValueError(f"a gpu test needs at least 1 GPU, got world_size({need})")
+    wanted = 1 if need is None else need
+    if visible >= wanted:
         return GpuGate("run")
-    marker = f"needs {need} GPU{'s' if need > 1 else ''} (marked gpu)"
-    seen = "no CUDA device is visible" if visible == 0 else f"{visible} visible"
-    if required >= need:
+    if visible == 0:
+        reason = "needs CUDA (marked gpu); no CUDA device is visible"
+    else:
+        reason = f"needs {wanted} GPUs (marked gpu, world_size({wanted})); {visible} visible"
+    if required >= wanted:
         return GpuGate(
             "fail",
-            f"{marker}; {seen}, but {REQUIRE_GPUS_ENV}={required} promises {required}: "
+            f"{reason}; but {REQUIRE_GPUS_ENV}={required} promises {required}: "
             "the job lost its GPUs (driver, container --gpus, CUDA_VISIBLE_DEVICES)",
         )
-    return GpuGate("skip", f"{marker}; {seen}")
+    return GpuGate("skip", reason)

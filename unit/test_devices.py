@@ -195,19 +195,26 @@ def test_required_gpus_parses_and_refuses_nonsense():
         devices.required_gpus({"KIT_REQUIRE_GPUS": "-1"})
 
 
-@given(visible=st.integers(0, 8), need=st.integers(1, 8), required=st.integers(0, 8))
+@given(visible=st.integers(0, 8), need=st.one_of(st.none(), st.integers(1, 8)), required=st.integers(0, 8))
 def test_gpu_gate_runs_with_enough_fails_when_promised_and_skips_otherwise(visible, need, required):
+    wanted = 1 if need is None else need
     gate = devices.gpu_gate(visible, need, required)
-    if visible >= need:
-        assert gate.action == "run"
+    if visible >= wanted:
+        assert gate == devices.GpuGate("run")
         return
-    assert gate.action == ("fail" if required >= need else "skip")
-    assert f"needs {need} GPU" in gate.reason
-    assert ("no CUDA device is visible" if visible == 0 else f"{visible} visible") in gate.reason
+    assert gate.action == ("fail" if required >= wanted else "skip")
+    # The plugin's skip reasons, word for word (functional/test_launcher_plugin.py matches them).
+    if visible == 0:
+        assert gate.reason.startswith("needs CUDA (marked gpu); no CUDA device is visible")
+    else:
+        assert gate.reason.startswith(
+            f"needs {wanted} GPUs (marked gpu, world_size({wanted})); {visible} visible"
+        )
+    assert ("KIT_REQUIRE_GPUS" in gate.reason) is (gate.action == "fail")
     if gate.action == "fail":
-        assert f"KIT_REQUIRE_GPUS={required}" in gate.reason
+        assert f"KIT_REQUIRE_GPUS={required} promises {required}" in gate.reason
 
 
-def test_gpu_gate_refuses_a_test_that_needs_no_gpu():
-    with pytest.raises(ValueError, match="need=0"):
+def test_gpu_gate_refuses_a_world_size_below_one():
+    with pytest.raises(ValueError, match=r"world_size\(0\)"):
         devices.gpu_gate(2, 0, 2)
