@@ -141,10 +141,23 @@ def test_a_gloo_rank_queues_its_cap_instead_of_creating_a_context(monkeypatch):
     for name in ("set_device", "get_device_properties", "set_per_process_memory_fraction", "init"):
         monkeypatch.setattr(torch.cuda, name, eager)
     monkeypatch.setattr(torch.cuda, "_lazy_call", queued.append)
-    assert devices.apply_device_cap(1, "gloo", 4 * GiB) == "lazy"
+    assert devices.apply_device_cap(3, "gloo", 4 * GiB) == "lazy"
     assert len(queued) == 1 and callable(queued[0])
-    assert devices.apply_device_cap(1, "gloo", None) == "none"
+    assert devices.apply_device_cap(3, "gloo", None) == "none"
     assert len(queued) == 1
+    # When CUDA initialises (simulated: 2 devices of 80 GiB), rank 3 takes device 3 % 2 = 1 and
+    # caps its allocator to 4/80 of it.
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 80 * GiB})()
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append(("fraction", f, d))
+    )
+    queued[0]()
+    assert calls == [("set_device", 1), ("fraction", 0.05, 1)]
 
 
 _LAZY_CAP_PROBE = """
