@@ -352,7 +352,7 @@ class Check:
             device=torch.cuda.get_device_name(0),
             gpus=torch.cuda.device_count(),
             cuda=torch.version.cuda,
-            nccl=".".join(map(str, torch.cuda.nccl.version())),
+            nccl=_nccl_version(),
         )
         return figures
 
@@ -576,6 +576,13 @@ class Check:
         _expect(proc.returncode == 0, f"pytest -m 'L0 and gpu' exited {proc.returncode}: {tail[0]}")
         _expect(figures.get("tests", 0) > 0, "no 'L0 and gpu' test ran")
         return figures
+
+
+def _nccl_version() -> str:
+    import torch
+
+    version = torch.cuda.nccl.version()  # a tuple in recent torch, an int (e.g. 21803) before
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _junit_counts(path: Path) -> dict[str, int]:
