@@ -64,16 +64,32 @@ def memory_report(device: torch.device | str | int | None = None) -> dict[str, i
     """Memory counters as ints: the CUDA caching allocator's, or the host process' RSS.
 
     CUDA: current and peak allocated, active, inactive-split and reserved bytes, allocation
-    retries and OOM count. CPU (the default without CUDA): `rss_bytes`, `peak_rss_bytes`;
-    asking for a CUDA device on a machine without CUDA raises ValueError.
+    retries and OOM count. CPU: `rss_bytes`, `peak_rss_bytes`. The default is CUDA only once this
+    process has initialised CUDA, else the host: a process that never touched its GPU used host
+    memory, and the allocator would report zeros for it. Asking for a CUDA device explicitly
+    raises ValueError on a machine without CUDA, and before this process initialised CUDA
+    (`torch.cuda.memory_stats()` is then `{}`: a peak of 0 that passes every budget); the report
+    never initialises CUDA itself, which would create a context as a side effect.
+
+    What the allocator counts is what torch allocated through it: the CUDA context, NCCL's own
+    buffers and anything a library allocates with `cudaMalloc` directly are not in these bytes,
+    and neither are they under `torch.cuda.set_per_process_memory_fraction` (which caps the same
+    allocator); `torch.cuda.mem_get_info()` sees the whole card.
     """
     if device is None:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        device = torch.device("cuda") if on_cuda else torch.device("cpu")
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             # torch.cuda.memory_stats would answer all zeros: a peak of 0 passes every budget.
             raise ValueError(f"memory_report(device={str(device)!r}): CUDA is not available on this machine")
+        if not torch.cuda.is_initialized():
+            raise ValueError(
+                f"memory_report(device={str(device)!r}): this process has not initialised CUDA, so the "
+                "caching allocator has no statistics and every counter would read 0; report after "
+                "the first CUDA allocation, or ask for device='cpu'"
+            )
         stats = torch.cuda.memory_stats(device)
         return {name: int(stats.get(key, 0)) for key, name in _CUDA_KEYS.items()}
     current, peak = _host_rss_bytes()

@@ -3,6 +3,10 @@ real gloo groups in functional/test_accounting_collectives.py)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given
@@ -36,6 +40,53 @@ def test_asking_for_cuda_without_cuda_is_refused_not_answered_with_zeros():
         pytest.skip("this machine has CUDA (see the gpu test)")
     with pytest.raises(ValueError, match=r"memory_report\(device='cuda'\): CUDA is not available"):
         memory_report("cuda")
+
+
+def test_before_cuda_is_initialised_the_default_is_the_host_and_cuda_is_refused(monkeypatch):
+    """A machine with CUDA whose process never touched it is simulated (no GPU here): availability
+    is patched to True and `memory_stats` to what torch answers then, `{}`; the report must not
+    read that as a peak of 0."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {})
+    default = memory_report()
+    assert set(default) == {"rss_bytes", "peak_rss_bytes"} and default["peak_rss_bytes"] > 0
+    for device in ("cuda", "cuda:0", 0, torch.device("cuda")):
+        with pytest.raises(ValueError, match=r"has not initialised CUDA.*every counter would read 0"):
+            memory_report(device)
+
+
+_FRESH_PROCESS = """
+import json
+import torch
+from accounting import memory_report
+
+out = {"default_before": sorted(memory_report())}
+try:
+    memory_report("cuda")
+    out["explicit_before"] = "answered"
+except ValueError as exc:
+    out["explicit_before"] = str(exc)
+out["initialised_by_report"] = torch.cuda.is_initialized()
+x = torch.empty(8 * 2**20, dtype=torch.uint8, device="cuda")
+after = memory_report()
+out["default_after"] = sorted(after)
+out["allocated_after"] = after["allocated_bytes"]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_report_follows_the_first_allocation_and_never_initialises_cuda_itself():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the CPU variant simulates the uninitialised state)")
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["default_before"] == ["peak_rss_bytes", "rss_bytes"]
+    assert "has not initialised CUDA" in out["explicit_before"]
+    assert out["initialised_by_report"] is False
+    assert "peak_allocated_bytes" in out["default_after"] and out["allocated_after"] >= 8 * 2**20
 
 
 @pytest.mark.gpu

@@ -1,0 +1,72 @@
+"""ci/gpu_check: its arguments, the commands it would run on the GPU, and its dry run on this CPU.
+
+The GPU steps themselves need a GPU; here the dry run runs their CPU side for real (imports, a
+real flight-recorder dump of a gloo desync parsed and diagnosed, the accounting calls, the
+benchmark's code, the harness on CPU, the pytest selection collected).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ci import gpu_check
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.L0
+def test_unknown_steps_and_missing_outdir_are_refused_with_exit_code_2(tmp_path, capsys):
+    assert gpu_check.main([str(tmp_path), "--only", "memory,warp"]) == 2
+    assert "unknown step(s) ['warp']" in capsys.readouterr().err
+    assert gpu_check.main([]) == 2
+
+
+@pytest.mark.L0
+def test_the_pytest_step_selects_l0_gpu_tests_and_requires_the_gpu(tmp_path):
+    check = gpu_check.Check(tmp_path, dry_run=True, budget_s=60)
+    cmd, env = check.pytest_command()
+    assert cmd[1:3] == ["-m", "pytest"]
+    assert cmd[cmd.index("-m", 2) + 1] == "L0 and gpu"
+    assert f"--kit-report={tmp_path / 'pytest'}" in cmd
+    assert env["KIT_REQUIRE_GPUS"] == "1"  # a skipped GPU test is a failure here
+
+
+@pytest.mark.L0
+def test_a_step_out_of_time_is_skipped_and_the_check_fails(tmp_path):
+    check = gpu_check.Check(tmp_path, dry_run=True, budget_s=0)
+    assert check.run(["environment"]) == 1
+    (line,) = (tmp_path / "summary.json").read_text().splitlines()
+    result = json.loads(line)
+    assert (result["step"], result["status"]) == ("environment", "skipped")
+    assert "out of time" in result["detail"]
+
+
+@pytest.mark.L1
+def test_the_dry_run_passes_and_writes_one_summary_line_per_step(tmp_path):
+    steps = ["environment", "memory", "hang", "sync", "bench"]
+    run = subprocess.run(
+        [sys.executable, "-m", "ci.gpu_check", str(tmp_path), "--dry-run", "--only", ",".join(steps)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "summary.json").read_text().splitlines()]
+    assert [line["step"] for line in lines] == steps
+    assert {line["status"] for line in lines} == {"dry-ok"}
+    by_step = {line["step"]: line["figures"] for line in lines}
+    # The flight-recorder dump of the gloo desync is real and read back: rank 1 never entered #2.
+    assert any("rank 1 at #1 never entered it" in d for d in by_step["hang"]["diagnosis"])
+    assert by_step["hang"]["nccl_env"]["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"].startswith(str(tmp_path))
+    # The accounting on the dry run's device equals the CPU reference accumulator.
+    assert by_step["sync"]["flops"] == by_step["sync"]["cpu_flops"] > 0
+    assert set(by_step["bench"]["us_per_microbatch"]) == {"8", "512", "8192"}
+    assert json.loads((tmp_path / "bench.json").read_text())["device"] == "cpu"
+    for step in steps:
+        assert f"[gpu-check] {step}" in run.stdout
