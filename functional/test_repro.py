@@ -29,7 +29,7 @@ PLANTED = textwrap.dedent(
 
     import pytest
 
-    from fixtures.ranks import run_ranks
+    from megatron_testkit.ranks import run_ranks
 
 
     def grow_on_rank_1(rank, world_size):
@@ -192,7 +192,7 @@ GROWS = textwrap.dedent(
 
     import pytest
 
-    from fixtures.ranks import run_ranks
+    from megatron_testkit.ranks import run_ranks
 
 
     def grow_on_rank_1(rank, world_size):

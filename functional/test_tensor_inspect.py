@@ -40,7 +40,7 @@ import torch
 
 from fixtures.ranks import run_ranks
 from fixtures.tensorboard import read_scalars
-from unit.test_inspect import reference_stats  # numpy float64, independent of the inspector
+from fixtures.oracles import reference_stats  # numpy float64, independent of the inspector
 
 LAYERS = r".*(fc1|fc2)"
 TENSORS = ("activation", "weight", "gradient")

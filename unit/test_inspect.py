@@ -26,6 +26,7 @@ from accounting.inspector import (
     partial_stats,
     start_nvdlfw_session,
 )
+from fixtures.oracles import reference_stats  # numpy float64, independent of the inspector
 
 pytestmark = pytest.mark.L0
 
@@ -56,23 +57,6 @@ class Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
-
-def reference_stats(t: torch.Tensor | np.ndarray) -> dict[str, float]:
-    """The statistics recomputed independently with numpy in float64 (also used by functional/)."""
-    a = (
-        t.detach().cpu().double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float64)
-    ).reshape(-1)
-    return {
-        "min": float(a.min()),
-        "max": float(a.max()),
-        "mean": float(a.mean()),
-        "std": float(a.std(ddof=1)),
-        "l1_norm": float(np.abs(a).sum()),
-        "l2_norm": float(np.sqrt((a * a).sum())),
-        "nan_count": int(np.isnan(a).sum()),
-        "inf_count": int(np.isinf(a).sum()),
-    }
 
 
 def assert_stats_close(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
