@@ -38,9 +38,9 @@ import numpy as np
 import pytest
 import torch
 
+from fixtures.oracles import reference_stats  # numpy float64, independent of the inspector
 from fixtures.ranks import run_ranks
 from fixtures.tensorboard import read_scalars
-from fixtures.oracles import reference_stats  # numpy float64, independent of the inspector
 
 LAYERS = r".*(fc1|fc2)"
 TENSORS = ("activation", "weight", "gradient")
