@@ -2,8 +2,9 @@
 # The README's two commands: `bash ci/test.sh L0` runs the L0 kit as CI does (with its report in
 # reports/), `bash ci/test.sh all` runs every test. Extra arguments go to pytest.
 # The megatron-core release is KIT_MEGATRON_CORE (ci/setup.sh; default the newest). `all` then runs
-# the megatron-dependent tests (MCORE_MATRIX_TESTS) again on each release in KIT_MEGATRON_MATRIX
-# (default 0.16.1, the oldest supported), each in its own venv, report in reports/mcore-<release>/.
+# the L0 megatron-dependent tests (MCORE_MATRIX_TESTS: the compat layer and the four functional
+# megatron tests) again on each release in KIT_MEGATRON_MATRIX (default 0.16.1, the oldest
+# supported), each in its own venv, report in reports/mcore-<release>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=${1:-L0}
@@ -38,7 +39,7 @@ if [ "$tier" = "all" ] && [ "$rc" -eq 0 ] && [ "${KIT_SYSTEM_PYTHON:-0}" != "1" 
     mpy=$(KIT_MEGATRON_CORE=$release KIT_VENV='' bash ci/setup.sh)
     out=reports/mcore-$release
     set +e
-    "$mpy" -m pytest "${MCORE_MATRIX_TESTS[@]}" --kit-report="$out" --junitxml="$out/junit.xml" "$@"
+    "$mpy" -m pytest -m L0 "${MCORE_MATRIX_TESTS[@]}" --kit-report="$out" --junitxml="$out/junit.xml" "$@"
     rc=$?
     set -e
     if [ "$rc" -eq 0 ]; then "$mpy" -m functional.test_session_leaks "$out/kit-report.json" || rc=1; fi
