@@ -339,3 +339,12 @@ def test_version_guard_drops_keywords_the_installed_signature_lacks() -> None:
 
     assert fm._call_with_supported_kwargs(old, a=1, b=2, c=3) == (1, 2)
     assert fm._call_with_supported_kwargs(new, a=1, c=3) == (1, 1, {"c": 3})
+
+
+def test_checkpoint_common_state_names_both_layouts_when_neither_is_there(tmp_path: Path) -> None:
+    # The two real layouts are read in functional/test_cp_pretrain_sft.py on 0.16.1 (common.pt)
+    # and 0.19.2 (the common_state object); here: a directory with neither.
+    with pytest.raises(FileNotFoundError, match=r"no common\.pt and 0 'common_state' objects"):
+        fm.checkpoint_common_state(tmp_path)
+    torch.save({"iteration": 3}, tmp_path / "common.pt")
+    assert fm.checkpoint_common_state(tmp_path) == {"iteration": 3}
