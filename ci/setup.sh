@@ -1,29 +1,53 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs the kit with its test, megatron and inspect extras.
-# CPU machines get torch==2.13.0 first: a bare `torch` requirement would pull a multi-GB CUDA build.
-# Transformer Engine is never installed here: on a machine without CUDA it raises RuntimeError at
-# import and breaks `import megatron.core`. GPU containers that already ship torch and TE set
-# KIT_SYSTEM_PYTHON=1 to install into the interpreter they have instead of a fresh venv.
+# Creates the virtual environment for one megatron-core release (once) and installs the kit with its
+# test and inspect extras plus that release. Prints the interpreter to use on stdout (the only line
+# it prints there; everything else goes to stderr), so callers run `py=$(bash ci/setup.sh)`.
+#
+# The release is KIT_MEGATRON_CORE (default: the newest release the registry serves, below). Each
+# release has its own venv: `.venv` for the default, `.venv-mcore-<release>` for any other (KIT_VENV
+# overrides the path). megatron-core 0.17+ declares Requires-Python >=3.12: on 3.12+ it is a plain
+# install; on an older Python it is installed with --no-deps --ignore-requires-python and then its
+# real dependencies (numpy, packaging, and triton, which `megatron.core.models.gpt` imports without
+# declaring it). CPU machines get torch==2.13.0 first: a bare `torch` requirement would pull a
+# multi-GB CUDA build. Transformer Engine is never installed here: on a machine without CUDA it
+# raises RuntimeError at import and breaks `import megatron.core`. GPU containers that already ship
+# torch and TE set KIT_SYSTEM_PYTHON=1 to install into the interpreter they have; there a
+# preinstalled nvdlfw-inspect is kept as it is (NGC images pin it in /etc/pip/constraint.txt, and a
+# source build of its v0.2 tag calls itself 0.1.0, so asking for >=0.2 would fail to resolve).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+newest=0.19.2 # the newest megatron-core on PyPI; CI's L0 runs it (bump when a release appears)
+mcore=${KIT_MEGATRON_CORE:-$newest}
+if ! [[ $mcore =~ ^[0-9]+(\.[0-9]+)*([a-z0-9.+-]*)$ ]]; then
+  echo "ci/setup.sh: KIT_MEGATRON_CORE='$mcore' is not a release number (e.g. 0.19.2 or 0.16.1)" >&2
+  exit 2
+fi
 
 if [ "${KIT_SYSTEM_PYTHON:-0}" = "1" ]; then
   py=${PYTHON:-python3}
 else
-  venv=${KIT_VENV:-.venv}
-  [ -x "$venv/bin/python" ] || ${PYTHON:-python3} -m venv "$venv"
+  if [ -n "${KIT_VENV:-}" ]; then
+    venv=$KIT_VENV
+  elif [ "$mcore" = "$newest" ]; then
+    venv=.venv
+  else
+    venv=.venv-mcore-$mcore
+  fi
+  [ -x "$venv/bin/python" ] || ${PYTHON:-python3} -m venv "$venv" >&2
   py=$venv/bin/python
 fi
 
 stamp_dir=$("$py" -c 'import sys; print(sys.prefix)')
 stamp=$stamp_dir/.kit-installed
-want=$(cat pyproject.toml ci/setup.sh | sha256sum | cut -c1-16)
+want="$( (cat pyproject.toml ci/setup.sh; echo "megatron-core==$mcore") | sha256sum | cut -c1-16) megatron-core==$mcore"
 if [ "$(cat "$stamp" 2>/dev/null || true)" = "$want" ]; then
+  echo "$py"
   exit 0
 fi
 
-echo "ci/setup.sh: installing the kit into $stamp_dir" >&2
-pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
+echo "ci/setup.sh: installing the kit with megatron-core $mcore into $stamp_dir" >&2
+pip() { "$py" -m pip --disable-pip-version-check -q "$@" >&2; }
 if ! "$py" -c 'import torch' 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install torch
@@ -31,5 +55,28 @@ if ! "$py" -c 'import torch' 2>/dev/null; then
     pip install torch==2.13.0
   fi
 fi
-pip install -e ".[test,megatron,inspect]"
-echo "$want" > "$stamp"
+extras=test
+if [ "${KIT_SYSTEM_PYTHON:-0}" = "1" ] && "$py" -c 'import nvdlfw_inspect' 2>/dev/null; then
+  echo "ci/setup.sh: keeping the interpreter's own nvdlfw-inspect" >&2
+else
+  extras=test,inspect
+fi
+# Not the `megatron` extra: it would resolve megatron-core by itself (0.16.1 on Python 3.11).
+pip install -e ".[$extras]" psutil
+if "$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+  pip install "megatron-core==$mcore"
+elif ! "$py" -m pip --disable-pip-version-check -q install "megatron-core==$mcore" >&2 2>/dev/null; then
+  # Requires-Python >=3.12 (0.17+). Its declared dependencies are torch, numpy and packaging>=24.2;
+  # triton is imported by megatron.core.models.gpt (fused kernels) though not declared.
+  echo "ci/setup.sh: megatron-core $mcore requires a newer Python than $("$py" -V 2>&1);" \
+    "installing it with --no-deps --ignore-requires-python and its real dependencies" >&2
+  pip install --no-deps --ignore-requires-python "megatron-core==$mcore"
+  pip install 'numpy<2.5' 'packaging>=24.2' triton
+fi
+got=$("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))')
+if [ "$got" != "$mcore" ]; then
+  echo "ci/setup.sh: asked for megatron-core $mcore, $stamp_dir has $got" >&2
+  exit 1
+fi
+echo "$want" >"$stamp"
+echo "$py"

@@ -1,4 +1,5 @@
-"""fixtures.attention on one process: THD attention vs the per-sequence oracle, the oracle vs torch.
+"""fixtures.attention on one process: THD attention vs the per-sequence oracle, the oracle vs torch,
+and the bf16 error bounds that are the TE-vs-reference tolerance.
 
 The CP path (a real 2-rank gloo group) is in functional/test_attention_cp.py.
 """
@@ -11,7 +12,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fixtures.attention import ReferenceCoreAttention, naive_attention, thd_attention
+from fixtures.attention import (
+    BF16_UNIT_ROUNDOFF,
+    ReferenceCoreAttention,
+    bf16_attention_error_bounds,
+    naive_attention,
+    thd_attention,
+)
 
 pytestmark = pytest.mark.L0
 
@@ -136,3 +143,96 @@ def test_module_thd_and_sbhd_forward_match_the_oracle(monkeypatch: pytest.Monkey
     for b in range(2):
         row = naive_attention(qs[:, b], ks[:, b], vs[:, b], torch.tensor([0, 10]))
         torch.testing.assert_close(out_s[:, b], row.reshape(10, 32))
+
+
+# ------------------------------------------------------------ bf16 tolerance (TE vs reference)
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).double()
+
+
+def _emulated_bf16_kernel(q, k, v, do, cu, steps: int):
+    """A bf16 flash-style kernel written out step by step, in float64 with explicit roundings.
+
+    Independent of `bf16_attention_error_bounds`: keys (forward, dq) and queries (dk, dv) are
+    split into `steps` blocks as TE's CP steps split them; each block's normalised partial
+    output and each partial gradient is rounded to bf16, P is rounded before P @ V and P^T @ dO,
+    dS before dS @ K and dS^T @ Q, D comes from the rounded output, every result is rounded.
+    """
+    rep = q.shape[1] // k.shape[1]
+    scale = 1.0 / q.shape[-1] ** 0.5
+    outs = {n: torch.zeros_like(x) for n, x in (("out", q), ("dq", q), ("dk", k), ("dv", v))}
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        qs, dos = q[s:e].transpose(0, 1), do[s:e].transpose(0, 1)
+        ks = k[s:e].repeat_interleave(rep, 1).transpose(0, 1)
+        vs = v[s:e].repeat_interleave(rep, 1).transpose(0, 1)
+        n = e - s
+        logits = (qs @ ks.transpose(-1, -2) * scale).masked_fill(
+            ~torch.tril(torch.ones(n, n, dtype=torch.bool)), float("-inf")
+        )
+        lse = torch.logsumexp(logits, -1, keepdim=True)
+        blocks = [b for b in torch.arange(n).tensor_split(steps) if len(b)]
+        out = torch.zeros_like(qs)
+        for b in blocks:  # forward: one partial per key block, combined with its LSE weight
+            lb = logits[..., b]
+            lse_b = torch.logsumexp(lb, -1, keepdim=True)
+            w = torch.exp(lse_b - lse).nan_to_num(0.0)
+            pb = _bf16(torch.exp(lb - lse_b).nan_to_num(0.0))
+            out += w * _bf16(pb @ vs[:, b])
+        out = _bf16(out)
+        p = torch.exp(logits - lse)
+        p16 = _bf16(p)
+        ds = _bf16(p * (dos @ vs.transpose(-1, -2) - (dos * out).sum(-1, keepdim=True)))
+        dq = sum(_bf16(scale * ds[..., b] @ ks[:, b]) for b in blocks)
+        dk = sum(_bf16(scale * ds[:, b].transpose(-1, -2) @ qs[:, b]) for b in blocks)
+        dv = sum(_bf16(p16[:, b].transpose(-1, -2) @ dos[:, b]) for b in blocks)
+
+        def group(x):
+            return _bf16(x.transpose(0, 1).unflatten(1, (-1, rep)).sum(2))
+
+        outs["out"][s:e], outs["dq"][s:e] = out.transpose(0, 1), _bf16(dq).transpose(0, 1)
+        outs["dk"][s:e], outs["dv"][s:e] = group(dk), group(dv)
+    return outs
+
+
+def _exact(q, k, v, do, cu):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = naive_attention(q, k, v, cu)
+    dq, dk, dv = torch.autograd.grad((out * do).sum(), (q, k, v))
+    return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_bf16_bounds_hold_for_an_emulated_bf16_kernel_and_are_not_vacuous(cp: int) -> None:
+    assert BF16_UNIT_ROUNDOFF == 2.0**-8
+    worst: dict[str, float] = {}
+    for seed, (lengths, heads, groups, dim) in enumerate(
+        [([60, 4, 28], 4, 2, 16), ([256], 2, 1, 32), ([12, 8, 40], 2, 2, 16)]
+    ):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        q, k, v = (_bf16(x) for x in _qkv(int(cu[-1]), heads, groups, dim, seed))
+        do = _bf16(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+        exact = _exact(q, k, v, do, cu)
+        kernel = _emulated_bf16_kernel(q, k, v, do, cu, steps=cp)
+        bounds = bf16_attention_error_bounds(q, k, v, do, cu, cp_size=cp)
+        for name in ("out", "dq", "dk", "dv"):
+            ratio = ((kernel[name] - exact[name]).abs() / bounds[name].clamp_min(1e-300)).max().item()
+            worst[name] = max(worst.get(name, 0.0), ratio)
+    for name, ratio in worst.items():
+        # First-order bound: the emulated kernel stays inside it, and uses a visible part of it
+        # (a bound 1000x too loose would also pass the first check and catch nothing).
+        assert ratio <= 1.0, f"{name}: emulated bf16 error is {ratio:.3g} x the bound"
+        assert ratio >= 0.01, f"{name}: the bound is {1 / ratio:.3g} x the emulated error"
+
+
+def test_bf16_bounds_catch_real_tokens_treated_as_padding() -> None:
+    # The tail-only pack misread by TE (cu_seqlens // cp): of 115 real tokens, queries past 57
+    # lose the keys past 57. Every such output is off by far more than twice its bound.
+    cu_pad = torch.tensor([0, 128])
+    q, k, v = (_bf16(x) for x in _qkv(128, 2, 1, 16, seed=7))
+    bounds = bf16_attention_error_bounds(q, k, v, torch.ones_like(q), cu_pad, cp_size=2)
+    right = naive_attention(q, k, v, cu_pad).detach()
+    cut = torch.cat([naive_attention(q[:57], k[:57], v[:57], torch.tensor([0, 57])).detach(), right[57:]])
+    keys_lost = naive_attention(q[57:115], k[57:115], v[57:115], torch.tensor([0, 58])).detach()
+    cut[57:115] = keys_lost  # queries 57..114 attend only to 57..itself: the misread split
+    ratio = ((cut - right).abs() / bounds["out"])[60:115]
+    assert ratio.amax(dim=(1, 2)).min().item() > 2.0, "a token with missing keys passed a 2x-bound check"
