@@ -42,7 +42,7 @@ if [ "$tier" = "all" ] && [ "$rc" -eq 0 ] && [ "${KIT_SYSTEM_PYTHON:-0}" != "1" 
     "$mpy" -m pytest -m L0 "${MCORE_MATRIX_TESTS[@]}" --kit-report="$out" --junitxml="$out/junit.xml" "$@"
     rc=$?
     set -e
-    if [ "$rc" -eq 0 ]; then "$mpy" -m functional.test_session_leaks "$out/kit-report.json" || rc=1; fi
+    if [ "$rc" -eq 0 ]; then "$mpy" -m megatron_testkit.session_check "$out/kit-report.json" || rc=1; fi
     [ "$rc" -eq 0 ] || exit "$rc"
   done
 fi
