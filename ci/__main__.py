@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from ci.repro import main as repro_main
 
         return repro_main(args)
+    if command == "merge-reports":
+        from ci.merge_reports import main as merge_main
+
+        return merge_main(args)
     if command in ("-h", "--help"):
         print(USAGE)
         return 0

@@ -1,0 +1,1 @@
+"""pytest-benchmark benchmarks: ``python -m pytest ci/benchmarks --benchmark-only`` (see ci/bench_compare.py)."""
