@@ -95,11 +95,13 @@ def merge(sources: list[Source]) -> dict[str, Any]:
     """The merged report, in the kit report's schema plus ``node`` on ranks and failures."""
     rows: dict[str, dict[str, Any]] = {}
     seen: set[tuple[int, int | None]] = set()
+    seen_tests: set[tuple[int, int | None, str]] = set()
     world = 0
     for source in sources:
         for row in source.report["tests"]:
             rank = _process_rank(source, row)
             seen.add((source.node, rank))
+            seen_tests.add((source.node, rank, row["nodeid"]))
             world = max(world, row.get("world_size") or 0)
             merged = rows.setdefault(row["nodeid"], _empty_row(row["nodeid"]))
             merged["outcome"] = max(merged["outcome"], row["outcome"], key=lambda o: _WORST.get(o, 0))
@@ -119,8 +121,12 @@ def merge(sources: list[Source]) -> dict[str, Any]:
                 merged["failures"].append(
                     {**row["failure"], "node": source.node, "process_rank": rank, "report": str(source.path)}
                 )
-    for merged in rows.values():
+    for nodeid, merged in rows.items():
         merged["ranks"].sort(key=lambda r: (r["rank"], r["node"]))
+        # Under torchrun each process is one rank: a test whose ranks all failed before the kit
+        # could record a launch still ran on as many ranks as processes reported it.
+        processes = {(node, rank) for node, rank, test in seen_tests if test == nodeid}
+        merged["world_size"] = max(merged["world_size"], len(processes))
         merged["failure"] = _root(merged["failures"])
     expected = set(range(world))
     ranks_seen = {rank for _node, rank in seen if rank is not None}

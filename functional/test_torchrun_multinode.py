@@ -21,7 +21,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+
+from fixtures import proctree
 
 pytestmark = pytest.mark.L1
 
@@ -32,11 +35,30 @@ PLANTED_RANK = 1 * PER_NODE + 1
 NODE_TESTS = textwrap.dedent(
     """
     import os
+    import signal
 
+    import pytest
     import torch
     import torch.distributed as dist
 
     from fixtures.ranks import run_ranks
+
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum} from the torchrun agent")
+
+
+    @pytest.fixture(scope="session", autouse=True)
+    def job_group():
+        # One default process group for the whole job, as a training job holds it; run_ranks
+        # uses it and leaves it. (Creating and destroying one per test races: a rank may read a
+        # peer's gloo address from the previous group out of the store and get refused.)
+        # The agent SIGTERMs the ranks left when one fails; as a KeyboardInterrupt, pytest still
+        # writes this rank's report before it exits.
+        signal.signal(signal.SIGTERM, _interrupt)
+        dist.init_process_group("gloo")
+        yield
+        dist.destroy_process_group()
 
 
     def total(rank, world_size):
@@ -119,10 +141,17 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for agent in agents:
             codes.append(agent.wait(timeout=400))
     finally:
+        # The agents start their ranks in sessions of their own: kill those by pid, then the agents.
+        ranks = [p for agent in agents for p in proctree.descendants(agent.pid)]
         for agent in agents:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(agent.pid, signal.SIGKILL)
+        for proc in ranks:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        for agent in agents:
             agent.wait()
+        psutil.wait_procs(ranks, timeout=10)
     logs = "\n".join((root / f"agent{n}.log").read_text(errors="replace")[-3000:] for n in range(NODES))
     merged_dir = root / "merged"
     merge = subprocess.run(
