@@ -1,7 +1,7 @@
 """The launcher's overhead next to `torch.multiprocessing.spawn` doing the same work.
 
 Two measurements, each for both launchers: a 2-rank no-op (spawn, import torch, a gloo process
-group on a FileStore, destroy, collect), and the time to a verdict when rank 1's real allocation
+group on a FileStore, one barrier, destroy, collect), and the time to a verdict when rank 1's real allocation
 fails while rank 0 waits in an all-reduce (`run_ranks` raises `RankFailure` naming rank 1 ``oom``;
 `spawn` raises `ProcessRaisedException` once it has terminated rank 0). Whole launches are slow
 (seconds), so each is a few pedantic rounds of one call. ``ci/bench_compare.py`` compares
@@ -24,6 +24,12 @@ ROUNDS = int(os.environ.get("KIT_BENCH_LAUNCH_ROUNDS", "3"))
 
 
 def noop_rank(rank: int, world_size: int) -> int:
+    import torch.distributed as dist
+
+    # One barrier: without it, a rank that returns at once can tear its group down while its
+    # peer is still connecting (gloo's connectFullMesh then fails with "Connection closed by
+    # peer" and run_ranks reports that peer as an error), which happens under load.
+    dist.barrier()
     return rank
 
 
