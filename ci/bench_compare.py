@@ -8,7 +8,7 @@ run is ``median(subject) / median(baseline)``; lower is better. A ratio that gre
 ``--tolerance`` (default 25%) is a regression and the exit code is 1.
 
     python -m pytest ci/benchmarks --benchmark-only --benchmark-storage=reports/benchmarks --benchmark-autosave
-    python -m ci.bench_compare reports/benchmarks          # newest run against the one before
+    python -m ci.bench_compare reports/benchmarks          # newest run against the ones before
     python -m ci.bench_compare NEW.json OLD.json
 """
 
@@ -39,12 +39,14 @@ def ratios(data: dict[str, Any]) -> dict[str, float]:
     out = {}
     for group, roles in sorted(groups.items()):
         baselines = roles.get("baseline", [])
-        if len(baselines) != 1:
+        if len(baselines) > 1:
             raise ValueError(
-                f"benchmark group {group!r} has {len(baselines)} baselines; exactly one is needed "
+                f"benchmark group {group!r} has {len(baselines)} baselines; one is needed "
                 f"(extra_info['role'] = 'baseline')"
             )
-        base = baselines[0]
+        base = baselines[0] if baselines else None
+        if base is None:
+            continue  # a partial run (-k, a failed baseline): nothing to divide by in this group
         for subject in roles.get("subject", []):
             key = f"{group}: {_short(subject['name'])} / {_short(base['name'])}"
             out[key] = subject["stats"]["median"] / base["stats"]["median"]
@@ -74,6 +76,23 @@ def compare(
     return rows
 
 
+def previous_ratios(
+    current: dict[str, float], older: list[Path]
+) -> tuple[dict[str, float] | None, Path | None]:
+    """Each current ratio from the newest earlier run that measured it (runs may cover subsets).
+
+    Returns the ratios and the newest run that had any of them (None, None when none had).
+    """
+    found: dict[str, float] = {}
+    newest = None
+    for path in reversed(older):
+        for key, value in ratios(load(path)).items():
+            if key in current and key not in found:
+                found[key] = value
+                newest = newest or path
+    return (found, newest) if found else (None, None)
+
+
 def _runs(directory: Path) -> list[Path]:
     """Every run under ``directory``, oldest first (by the run's own datetime field)."""
     runs = []
@@ -97,16 +116,20 @@ def main(argv: list[str] | None = None) -> int:
             runs = _runs(options.current)
             if not runs:
                 raise ValueError(f"{options.current}: no pytest-benchmark JSON files under it")
-            new, old = runs[-1], (runs[-2] if len(runs) > 1 else None)
+            new, older = runs[-1], runs[:-1]
         else:
-            new, old = options.current, options.previous
+            new, older = options.current, [options.previous] if options.previous else []
         current = ratios(load(new))
-        previous = ratios(load(old)) if old else None
+        previous, old = previous_ratios(current, older)
     except (OSError, ValueError, json.JSONDecodeError) as exc:
         print(f"bench_compare: {exc}", file=sys.stderr)
         return 2
     print(f"ratios of medians, subject / baseline in the same run (lower is better); run {new}")
-    print(f"previous run: {old}" if old else "no previous run: nothing to compare with")
+    print(
+        f"previous run: {old} (and older ones for ratios it lacks)"
+        if old
+        else "no previous run to compare with"
+    )
     width = max((len(k) for k in current), default=10)
     print(f"{'ratio':<{width}}  {'previous':>9}  {'current':>9}  verdict")
     rows = compare(current, previous, options.tolerance)
