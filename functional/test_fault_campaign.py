@@ -110,7 +110,8 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
     rows = [json.loads(p.read_text()) for p in sorted((root / "rows").glob("*.json"))]
     summary = faults.summarize(rows)
     out = {
-        "command": f"KIT_FAULT_TRIALS={TRIALS} KIT_FAULT_SEED={SEED} python -m pytest "
+        "command": f"KIT_FAULT_TRIALS={TRIALS} KIT_FAULT_SEED={SEED} KIT_FAULT_HANG_TIMEOUT={HANG_TIMEOUT:g} "
+        "python -m pytest "
         "functional/test_fault_campaign.py -m L2",
         "trials_planned": len(trials),
         "seed": SEED,
