@@ -1,6 +1,7 @@
 """`python -m ci job NAME` runs a CI job (what the workflows call); `python -m ci repro ...` reproduces one.
 
 `job` is stdlib-only and runs before the kit is installed; `repro` is imported only when asked for.
+`merge-reports OUT DIR...` merges per-node reports of a torchrun job.
 `chart [REPORT]` prints the memory chart of a kit report (Mermaid) and writes its PNG beside it.
 Usage errors are one line on stderr and exit code 2, for every command.
 """
@@ -12,7 +13,9 @@ from pathlib import Path
 
 USAGE = """usage: python -m ci job NAME [--dry-run|--setup] run the CI job NAME (a row of ci/jobs.py)
        python -m ci repro [L0|L1|L2] [options]  run a tier locally the way CI does (--help)
-       python -m ci chart [REPORT]              memory chart of a kit-report.json (default reports/)"""
+       python -m ci chart [REPORT]              memory chart of a kit-report.json (default reports/)
+       python -m ci merge-reports OUT DIR...    merge per-node kit reports (torchrun) into one
+       python -m ci.gpu_check OUTDIR [--dry-run] the single-GPU check (figures and logs in OUTDIR)"""
 
 
 def _usage_error(text: str) -> int:
@@ -49,7 +52,7 @@ def _chart(args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch to `job`, `repro` or `chart`; anything else is a one-line error and exit code 2."""
+    """Dispatch to `job`, `repro`, `chart` or `merge-reports`; anything else is a one-line error and exit code 2."""
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args else ""
     if command == "job":
@@ -60,10 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         return repro_main(args)
     if command == "chart":
         return _chart(args)
+    if command == "merge-reports":
+        from ci.merge_reports import main as merge_main
+
+        return merge_main(args)
     if command in ("-h", "--help"):
         print(USAGE)
         return 0
-    return _usage_error(f"unknown command {command!r}: expected 'job', 'repro' or 'chart' (--help)")
+    return _usage_error(
+        f"unknown command {command!r}: expected 'job', 'repro', 'chart' or 'merge-reports' (--help)"
+    )
 
 
 if __name__ == "__main__":

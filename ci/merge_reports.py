@@ -1,0 +1,240 @@
+"""Merge the kit reports of a multi-node torchrun job into one, naming each failure by node and rank.
+
+Under torchrun every rank is its own pytest process and writes its own report; launch them with
+``--kit-report=DIR/node$GROUP_RANK/rank$RANK`` (torchrun sets both variables) so that the path
+says which node and global rank a report came from. Then
+
+    python -m ci merge-reports OUT DIR [DIR ...]
+
+finds every ``kit-report.json`` under the DIRs and writes ``OUT/kit-report.{json,md}``: one row per
+test, its ranks labelled with their node, its failure the root cause across all processes (a
+failure that is not a knock-on of a peer going away, the lowest global rank on ties), every
+process' failure listed, and the ranks whose report is missing (a process killed before it wrote
+one) named in the session header.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fixtures.diagnosis import RankRecord, classify
+from fixtures.report import build_report, format_markdown
+
+_NODE = re.compile(r"^node[-_]?(\d+)$")
+_RANK = re.compile(r"^rank[-_]?(\d+)$")
+_FIRST_LINE = re.compile(r"^rank (\d+) (\w+): (?:([\w.]+): )?(.*)$")
+_WORST = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One process' report and where it came from."""
+
+    node: int
+    rank: int | None
+    path: Path
+    report: dict[str, Any]
+
+
+def find_reports(dirs: list[Path], exclude: Path | None = None) -> list[Source]:
+    """Every ``kit-report.json`` under ``dirs``; node and rank from ``node<N>``/``rank<R>`` in the path.
+
+    A report outside any ``node<N>`` directory belongs to node ``i``, the position of its DIR.
+    """
+    sources = []
+    for index, base in enumerate(dirs):
+        if not base.is_dir():
+            raise ValueError(f"merge-reports: {base} is not a directory")
+        for path in sorted(base.rglob("kit-report.json")):
+            if exclude is not None and exclude.resolve() in path.resolve().parents:
+                continue
+            parts = path.resolve().parts
+            node = next((int(m[1]) for p in reversed(parts) if (m := _NODE.match(p))), index)
+            rank = next((int(m[1]) for p in reversed(parts) if (m := _RANK.match(p))), None)
+            try:
+                report = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"merge-reports: {path} is not valid JSON: {exc}") from exc
+            if "tests" not in report or "session" not in report:
+                raise ValueError(f"merge-reports: {path} is not a kit report (no 'session'/'tests')")
+            sources.append(Source(node, rank, path, report))
+    if not sources:
+        raise ValueError(f"merge-reports: no kit-report.json under {', '.join(map(str, dirs))}")
+    return sources
+
+
+def _process_rank(source: Source, row: dict[str, Any]) -> int | None:
+    if source.rank is not None:
+        return source.rank
+    failure = row.get("failure") or {}
+    if failure.get("rank") is not None:
+        return failure["rank"]
+    ranks = [r["rank"] for r in row.get("ranks", [])]
+    return ranks[0] if len(ranks) == 1 else None
+
+
+def _is_knock_on(failure: dict[str, Any]) -> bool:
+    """Whether a failure only says that a peer went away (the kit's own knock-on rule)."""
+    match = _FIRST_LINE.match(failure.get("first_line") or "")
+    record = RankRecord(
+        rank=failure.get("rank") or 0,
+        status="failed",
+        exc_type=(match[3] if match else None) or "Exception",
+        exc_message=match[4] if match else failure.get("first_line") or "",
+    )
+    classify(record)
+    return record.knock_on
+
+
+def merge(sources: list[Source]) -> dict[str, Any]:
+    """The merged report, in the kit report's schema plus ``node`` on ranks and failures."""
+    rows: dict[str, dict[str, Any]] = {}
+    seen: set[tuple[int, int | None]] = set()
+    seen_tests: set[tuple[int, int | None, str]] = set()
+    world = 0
+    for source in sources:
+        for row in source.report["tests"]:
+            rank = _process_rank(source, row)
+            seen.add((source.node, rank))
+            seen_tests.add((source.node, rank, row["nodeid"]))
+            world = max(world, row.get("world_size") or 0)
+            merged = rows.setdefault(row["nodeid"], _empty_row(row["nodeid"]))
+            merged["outcome"] = max(merged["outcome"], row["outcome"], key=lambda o: _WORST.get(o, 0))
+            merged["duration_s"] = max(merged["duration_s"], row.get("duration_s") or 0.0)
+            merged["world_size"] = max(merged["world_size"], row.get("world_size") or 0)
+            merged["backend"] = merged["backend"] or row.get("backend")
+            merged["seed"] = merged["seed"] if merged["seed"] is not None else row.get("seed")
+            for key in ("budget_host_bytes", "budget_device_bytes"):
+                merged[key] = merged[key] if merged[key] is not None else row.get(key)
+            merged["leaked_processes"] += row.get("leaked_processes") or 0
+            for r in row.get("ranks", []):
+                merged["ranks"].append({**r, "node": source.node})
+            for key in ("peak_host_bytes", "peak_device_bytes"):
+                values = [v for v in (merged[key], row.get(key)) if v is not None]
+                merged[key] = max(values) if values else None
+            if row.get("failure"):
+                merged["failures"].append(
+                    {**row["failure"], "node": source.node, "process_rank": rank, "report": str(source.path)}
+                )
+    for nodeid, merged in rows.items():
+        merged["ranks"].sort(key=lambda r: (r["rank"], r["node"]))
+        # Under torchrun each process is one rank: a test whose ranks all failed before the kit
+        # could record a launch still ran on as many ranks as processes reported it.
+        processes = {(node, rank) for node, rank, test in seen_tests if test == nodeid}
+        merged["world_size"] = max(merged["world_size"], len(processes))
+        merged["failure"] = _root(merged["failures"])
+    expected = set(range(world))
+    ranks_seen = {rank for _node, rank in seen if rank is not None}
+    session = {
+        "merged_from": [
+            {
+                "node": s.node,
+                "rank": s.rank,
+                "path": str(s.path),
+                "host": s.report["session"].get("host"),
+                "outcome_counts": s.report["session"].get("outcome_counts"),
+            }
+            for s in sources
+        ],
+        "nodes": sorted({s.node for s in sources}),
+        "missing_ranks": sorted(expected - ranks_seen) if ranks_seen else [],
+        "host": ", ".join(sorted({str(s.report["session"].get("host")) for s in sources})),
+        "cpu_count": sources[0].report["session"].get("cpu_count"),
+        "gpus": sum(s.report["session"].get("gpus") or 0 for s in sources if s.rank in (None, 0)),
+        "torch": sources[0].report["session"].get("torch"),
+        "duration_s": max(s.report["session"].get("duration_s") or 0 for s in sources),
+        "markexpr": sources[0].report["session"].get("markexpr", ""),
+    }
+    return build_report(session, list(rows.values()))
+
+
+def _empty_row(nodeid: str) -> dict[str, Any]:
+    return {
+        "nodeid": nodeid,
+        "outcome": "passed",
+        "duration_s": 0.0,
+        "world_size": 0,
+        "backend": None,
+        "seed": None,
+        "budget_host_bytes": None,
+        "budget_device_bytes": None,
+        "peak_host_bytes": None,
+        "peak_device_bytes": None,
+        "ranks": [],
+        "failure": None,
+        "failures": [],
+        "pytest_rss_before_bytes": None,
+        "pytest_rss_after_bytes": None,
+        "leaked_processes": 0,
+        "log_dir": None,
+    }
+
+
+def _root(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The failure to lead with: named by the launcher, not a knock-on, lowest global rank."""
+    if not failures:
+        return None
+    named = [f for f in failures if f.get("kind") and f.get("rank") is not None]
+    pool = [f for f in named if not _is_knock_on(f)] or named or failures
+    root = min(pool, key=lambda f: (f.get("rank") if f.get("rank") is not None else 1 << 30, f["node"]))
+    first = root.get("first_line") or ""
+    return {**root, "first_line": f"node {root['node']}: {first}"}
+
+
+def format_merged_markdown(report: dict[str, Any]) -> str:
+    """The kit report's Markdown, then every process' failure by node and rank, then what is missing."""
+    lines = [format_markdown(report).rstrip(), ""]
+    session = report["session"]
+    lines.append(
+        f"Merged from {len(session['merged_from'])} reports on nodes {', '.join(map(str, session['nodes']))}."
+    )
+    if session["missing_ranks"]:
+        lines.append(f"No report from rank(s) {', '.join(map(str, session['missing_ranks']))}.")
+    failing = [row for row in report["tests"] if row["failures"]]
+    if failing:
+        lines += ["", "### Failures by node and rank", ""]
+        for row in failing:
+            root = row["failure"]
+            lines.append(
+                f"- `{row['nodeid']}`: root cause node {root['node']}, rank {root.get('rank')}, "
+                f"{root.get('kind') or 'unnamed'}"
+            )
+            for f in row["failures"]:
+                lines.append(
+                    f"  - node {f['node']}, process rank {f['process_rank']}: "
+                    f"{(f.get('first_line') or '').replace('|', '/')}"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """Write ``OUT/kit-report.json`` and ``OUT/kit-report.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / "kit-report.json", out / "kit-report.md"
+    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    md_path.write_text(format_merged_markdown(report))
+    return json_path, md_path
+
+
+def main(argv: list[str]) -> int:
+    """``merge-reports OUT DIR [DIR ...]``: 0 when merged, 2 on bad input (message on stderr)."""
+    if len(argv) < 2 or argv[0] in ("-h", "--help"):
+        print("usage: python -m ci merge-reports OUT DIR [DIR ...]", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    out, dirs = Path(argv[0]), [Path(d) for d in argv[1:]]
+    try:
+        report = merge(find_reports(dirs, exclude=out))
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    json_path, md_path = write(report, out)
+    for row in report["tests"]:
+        if row["failure"]:
+            print(f"{row['nodeid']}: {row['failure']['first_line']}")
+    print(f"merged {len(report['session']['merged_from'])} reports into {json_path} and {md_path}")
+    return 0

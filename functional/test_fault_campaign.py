@@ -1,0 +1,191 @@
+"""L2: a randomized fault campaign over the launcher: is every planted fault named correctly?
+
+Trials (``KIT_FAULT_TRIALS``, default 200; seed ``KIT_FAULT_SEED``) are drawn over the fault
+kinds of `fixtures.faults`, the failing rank, world sizes 2-4 and the timing against the first
+collective. Half of them run in an inner pytest session, the other half in one under xdist
+(``-n 2``), each trial recording what was planted, what `run_ranks` reported, the time from the
+fault to the verdict and the processes it left. The figures are printed and written to
+``reports/fault-campaign.json``; the campaign fails below 100% correct or above 0 leaked.
+
+    KIT_FAULT_TRIALS=20 python -m pytest functional/test_fault_campaign.py -m L2 -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures import faults
+
+pytestmark = pytest.mark.L2
+
+TRIALS = int(os.environ.get("KIT_FAULT_TRIALS", "200"))
+SEED = int(os.environ.get("KIT_FAULT_SEED", "13"))
+# Launch timeout of the hang trials: the process group times out before it (run_ranks sets it to
+# max(5, min(0.8 t, t - 10)) s), and a loaded 2-core machine needs ~10 s to start 4 ranks.
+HANG_TIMEOUT = float(os.environ.get("KIT_FAULT_HANG_TIMEOUT", "25"))
+
+# Kinds the launcher misnames today (found by this campaign). Each has its own strict xfail below,
+# which turns red the day the launcher gets it right: then delete the entry.
+KNOWN_MISCLASSIFIED = {
+    "kernel_oom": "the kernel OOM killer's SIGKILL in a capped cgroup is reported as `crash` although "
+    "the group's own counter (memory.oom_control oom_kill / memory.events) recorded the OOM kill "
+    "(issue 13 item 3)",
+    "exit0": "a rank that exits with status 0 before returning (os._exit(0)) counts as finished: "
+    "a peer's knock-on `Connection reset by peer` is named as the root cause instead, and when no "
+    "peer fails, run_ranks raises FileNotFoundError on rank<N>.result instead of RankFailure",
+}
+
+INNER = textwrap.dedent(
+    """
+    import json
+    import os
+    from dataclasses import asdict
+    from pathlib import Path
+
+    import pytest
+
+    from fixtures import faults
+
+    TRIALS = faults.load_trials(os.environ["KIT_FAULT_PLAN"])
+
+
+    @pytest.mark.parametrize("trial", TRIALS, ids=[t.ident for t in TRIALS])
+    def test_trial(trial, tmp_path):
+        result = faults.run_trial(
+            trial, tmp_path, hang_timeout=float(os.environ["KIT_FAULT_HANG_TIMEOUT"])
+        )
+        result.mode = os.environ["KIT_FAULT_MODE"]
+        rows = Path(os.environ["KIT_FAULT_ROWS"])
+        (rows / f"{trial.ident}.json").write_text(json.dumps(asdict(result)))
+    """
+)
+
+
+def _run_inner(root: Path, trials: list[faults.Trial], mode: str, *pytest_args: str) -> dict[str, Any]:
+    plan, rows = root / f"plan-{mode}.json", root / "rows"
+    faults.save_trials(trials, plan)
+    rows.mkdir(exist_ok=True)
+    (root / "test_trials.py").write_text(INNER)
+    env = {
+        **os.environ,
+        "KIT_FAULT_PLAN": str(plan),
+        "KIT_FAULT_ROWS": str(rows),
+        "KIT_FAULT_MODE": mode,
+        "KIT_FAULT_HANG_TIMEOUT": str(HANG_TIMEOUT),
+    }
+    # Generous: every trial is bounded by run_ranks' own timeouts; this only guards the session.
+    budget_s = 120 + len(trials) * (HANG_TIMEOUT + 60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *pytest_args, "test_trials.py"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=budget_s,
+    )
+    return {"rc": proc.returncode, "output": proc.stdout + proc.stderr}
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Draw the trials, run them (half serially, half under xdist), gather and write the figures."""
+    available, why = faults.kernel_oom_availability()
+    kinds = tuple(k for k in faults.FAULT_KINDS if available or not k.needs_cgroup)
+    trials = faults.draw_trials(TRIALS, SEED, kinds)
+    root = tmp_path_factory.mktemp("campaign")
+    started = time.monotonic()
+    sessions = {
+        "serial": _run_inner(root, trials[0::2], "serial"),
+        "xdist": _run_inner(root, trials[1::2], "xdist", "-n", "2"),
+    }
+    rows = [json.loads(p.read_text()) for p in sorted((root / "rows").glob("*.json"))]
+    summary = faults.summarize(rows)
+    out = {
+        "command": f"KIT_FAULT_TRIALS={TRIALS} KIT_FAULT_SEED={SEED} KIT_FAULT_HANG_TIMEOUT={HANG_TIMEOUT:g} "
+        "python -m pytest "
+        "functional/test_fault_campaign.py -m L2",
+        "trials_planned": len(trials),
+        "seed": SEED,
+        "hang_timeout_s": HANG_TIMEOUT,
+        "kernel_oom": why,
+        "wall_s": round(time.monotonic() - started, 1),
+        "summary": {k: v for k, v in summary.items() if k != "wrong"},
+        "known_misclassified": KNOWN_MISCLASSIFIED,
+        "excluding_known": faults.summarize([r for r in rows if r["kind"] not in KNOWN_MISCLASSIFIED])[
+            "overall"
+        ],
+        "wrong": summary["wrong"],
+        "rows": rows,
+    }
+    report_dir = Path(request.config.rootpath) / "reports"
+    report_dir.mkdir(exist_ok=True)
+    (report_dir / "fault-campaign.json").write_text(json.dumps(out, indent=2) + "\n")
+    lines = [why, *faults.summary_lines(summary), f"written to {report_dir / 'fault-campaign.json'}"]
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line)
+    return {"trials": trials, "rows": rows, "summary": summary, "sessions": sessions, "lines": lines}
+
+
+def test_every_trial_ran_and_recorded_a_row(campaign: dict[str, Any]) -> None:
+    ran = {row["ident"] for row in campaign["rows"]}
+    missing = [t.ident for t in campaign["trials"] if t.ident not in ran]
+    outputs = "\n".join(s["output"][-2000:] for s in campaign["sessions"].values())
+    assert not missing, f"{len(missing)} trials left no row: {missing[:10]}\n{outputs}"
+    assert {row["mode"] for row in campaign["rows"]} == {"serial", "xdist"}
+
+
+def test_every_planted_fault_is_named_by_rank_and_kind(campaign: dict[str, Any]) -> None:
+    rows = [r for r in campaign["rows"] if r["kind"] not in KNOWN_MISCLASSIFIED]
+    assert rows
+    wrong = [r["ident"] for r in rows if not r["correct"]]
+    assert wrong == [], "\n".join(campaign["lines"])
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param(kind, marks=pytest.mark.xfail(strict=True, reason=f"launcher misnames {kind}: {why}"))
+        for kind, why in sorted(KNOWN_MISCLASSIFIED.items())
+    ],
+)
+def test_known_misclassification(campaign: dict[str, Any], kind: str) -> None:
+    rows = [r for r in campaign["rows"] if r["kind"] == kind]
+    if kind == "kernel_oom" and not faults.kernel_oom_availability()[0]:
+        pytest.skip("no capped memory cgroup can be created on this machine (printed above)")
+    assert rows, f"no {kind} trial was drawn: raise KIT_FAULT_TRIALS"
+    assert [r["ident"] for r in rows if not r["correct"]] == []
+
+
+def test_no_trial_leaks_a_process_or_a_cgroup(campaign: dict[str, Any]) -> None:
+    overall = campaign["summary"]["overall"]
+    leaks = [(r["ident"], r["leaked_cmdlines"]) for r in campaign["rows"] if r["leaked"]]
+    assert overall["leaked_processes"] == 0, leaks
+    assert overall["cgroups_left"] == 0
+
+
+def test_a_hang_verdict_shows_where_the_stuck_rank_is(campaign: dict[str, Any]) -> None:
+    # The stuck rank's own stack (the sleeping or spinning function) is in the message.
+    hangs = [r for r in campaign["rows"] if r["stack_shown"] is not None]
+    assert hangs, "no hang trial was drawn: raise KIT_FAULT_TRIALS"
+    assert [r["ident"] for r in hangs if not r["stack_shown"]] == []
+
+
+def test_kernel_oom_kills_are_real(campaign: dict[str, Any]) -> None:
+    # The ground truth of the kernel-oom kind: the capped group's own counter saw the kill.
+    rows = [r for r in campaign["rows"] if r["kind"] == "kernel_oom"]
+    if not faults.kernel_oom_availability()[0]:
+        assert rows == []
+        return
+    assert rows, "no kernel_oom trial was drawn: raise KIT_FAULT_TRIALS"
+    assert [r["ident"] for r in rows if not r["cgroup_oom_kills"]] == []
