@@ -47,21 +47,7 @@ def by_tier() -> dict[str, list[str]]:
     return json.loads(line.removeprefix("TIERS "))
 
 
-@pytest.mark.parametrize(
-    "tier",
-    [
-        "L0",
-        "L1",
-        pytest.param(
-            "L2",
-            marks=pytest.mark.xfail(
-                reason="L2's content is the fault campaign (faults helper's branch); strict: "
-                "this turns red when it lands, so the marker goes then",
-                strict=True,
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("tier", ["L0", "L1", "L2"])
 def test_every_tier_selects_tests(by_tier: dict[str, list[str]], tier: str) -> None:
     assert tier in TIERS
     assert by_tier.get(tier), f"`pytest -m {tier}` collects nothing: ci/test.sh {tier} would fail in CI"
@@ -71,6 +57,10 @@ def test_the_longer_scenarios_are_in_l1(by_tier: dict[str, list[str]]) -> None:
     l1 = by_tier.get("L1", [])
     assert any("dp2xpp2" in nodeid for nodeid in l1), "DP2xPP2"
     assert any(nodeid.startswith("functional/test_repro.py::") for nodeid in l1), "the runner-limit runs"
+
+
+def test_the_fault_campaign_is_in_l2(by_tier: dict[str, list[str]]) -> None:
+    assert any(nodeid.startswith("functional/test_fault_campaign.py::") for nodeid in by_tier.get("L2", []))
 
 
 def test_no_test_is_in_two_tiers(by_tier: dict[str, list[str]]) -> None:
