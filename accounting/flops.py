@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from accounting.seqlens import SeqlenStats, normalize_window
+from accounting.seqlens import SeqlenStats, describe_malformed, normalize_window
 
-__all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "training_flops"]
+__all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training_flops"]
 
 # Term names of `FlopsBreakdown.terms`. The MTP layers' own attention and MLP are counted in the
 # attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection.
@@ -288,23 +288,45 @@ def training_flops(shape: ModelShape, stats: SeqlenStats, *, recompute: str | No
 
     `recompute="full"` adds to the hardware count the forward of every transformer layer term
     (all but logits); `"selective"` adds the core-attention forward only (megatron's selective
-    recomputation). Model FLOPs never include recomputation.
+    recomputation). Model FLOPs never include recomputation. Statistics that count malformed
+    boundary rows raise ValueError: their sums are wrong.
     """
-    if not isinstance(shape, ModelShape):
-        raise ValueError(f"training_flops: shape must be a ModelShape, got {type(shape).__name__}")
     if not isinstance(stats, SeqlenStats):
         raise ValueError(
             f"training_flops: stats must be a SeqlenStats (from seqlen_stats or SeqlenStats.dense), "
             f"got {type(stats).__name__}"
         )
+    _check_call(shape, stats.window, recompute)
+    return flops_from_sums(shape, stats.to_dict(), window=stats.window, recompute=recompute)
+
+
+def _check_call(shape: ModelShape, window: tuple[int, int] | None, recompute: str | None) -> None:
+    if not isinstance(shape, ModelShape):
+        raise ValueError(f"training_flops: shape must be a ModelShape, got {type(shape).__name__}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute = {recompute!r}: expected one of {RECOMPUTE}")
-    if shape.window_size is not None and stats.window != shape.window_size:
+    if shape.window_size is not None and window != shape.window_size:
         raise ValueError(
             f"shape.window_size = {shape.window_size} but the stats were computed for window "
-            f"{stats.window}: pass window_size={shape.window_size} to seqlen_stats / FlopsAccumulator"
+            f"{window}: pass window_size={shape.window_size} to seqlen_stats / FlopsAccumulator"
         )
-    v = stats.to_dict()
+
+
+def flops_from_sums(
+    shape: ModelShape,
+    sums: dict[str, int],
+    *,
+    window: tuple[int, int] | None = None,
+    recompute: str | None = None,
+) -> FlopsBreakdown:
+    """`training_flops` from sums already read back (`SeqlenStats.to_dict()`): no tensor read at all."""
+    _check_call(shape, window, recompute)
+    v = dict(sums)
+    if v.get("malformed_rows"):
+        raise ValueError(
+            f"training_flops: the statistics count {describe_malformed(v)}; validate_cu_seqlens(...) names "
+            "the index"
+        )
     if shape.window_size is None:
         v["beyond_left"] = v["beyond_right"] = v["padded_beyond_left"] = v["padded_beyond_right"] = 0
     model_fwd = _terms(shape, v["tokens"], v["squared"], v["beyond_left"], v["beyond_right"])

@@ -15,13 +15,36 @@ number of (query, key) pairs of each document that fall outside the window, summ
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["SeqlenStats", "normalize_window", "seqlen_stats", "seqlen_stats_vector", "validate_cu_seqlens"]
+__all__ = [
+    "MALFORMED",
+    "SeqlenStats",
+    "describe_malformed",
+    "normalize_window",
+    "seqlen_stats",
+    "seqlen_stats_vector",
+    "validate_cu_seqlens",
+]
 
 Window = tuple[int, int]
+
+# What makes a row of boundaries malformed, by the name of its `SeqlenStats.malformed_<kind>`
+# counter, with the words an error message uses. The sync-free statistics count the rows of each
+# kind (and `malformed_rows` those with any) so that whoever reads the vector anyway can refuse it.
+MALFORMED: dict[str, str] = {
+    "first": "a first boundary that is not 0",
+    "negative": "a negative boundary other than a -1 padding tail that runs to the end of the row",
+    "decreasing": "a boundary smaller than the one before it (before the padding tail)",
+    "beyond_pack": "more tokens than the pack length (pack_len / seq_len)",
+    "longer_than_padded": "a real segment longer than its padded segment in cu_seqlens_padded",
+    "int64": "a sum of squared lengths past int64 (the exact sums would wrap)",
+}
+# Σs² of a row (or of a whole pack) at or past this no longer fits an int64 sum.
+_INT64_LIMIT = float(2**63)
 
 
 def normalize_window(window_size: int | tuple[int, int] | list[int] | None) -> Window | None:
@@ -74,7 +97,9 @@ class SeqlenStats:
     fields count what the kernels execute: `padded_tokens` is every token slot the linear layers
     see (the whole pack when its length is known), `padded_squared` sums the squared padded
     segment lengths the attention kernel runs over. `beyond_left`/`beyond_right` count pairs outside
-    `window` (zero when `window` is None).
+    `window` (zero when `window` is None). `malformed_rows` counts the boundary rows that are
+    malformed (see `MALFORMED`), `malformed_<kind>` the rows of each kind: the sums of a batch
+    with any are wrong, and `training_flops` / `FlopsAccumulator.step` refuse them.
     """
 
     num_sequences: torch.Tensor
@@ -86,6 +111,13 @@ class SeqlenStats:
     beyond_right: torch.Tensor
     padded_beyond_left: torch.Tensor
     padded_beyond_right: torch.Tensor
+    malformed_rows: torch.Tensor
+    malformed_first: torch.Tensor
+    malformed_negative: torch.Tensor
+    malformed_decreasing: torch.Tensor
+    malformed_beyond_pack: torch.Tensor
+    malformed_longer_than_padded: torch.Tensor
+    malformed_int64: torch.Tensor
     window: Window | None = None
 
     @classmethod
@@ -106,7 +138,8 @@ class SeqlenStats:
         right = _int_python_pairs_beyond(seq_len, window[1]) if window else 0
         num = batch if seq_len > 0 else 0
         values = (num, batch * seq_len, batch * seq_len * seq_len)
-        return cls._from_ints(values + values[1:] + (batch * left, batch * right) * 2, window)
+        malformed = (0,) * (1 + len(MALFORMED))
+        return cls._from_ints(values + values[1:] + (batch * left, batch * right) * 2 + malformed, window)
 
     @classmethod
     def zeros(cls, *, window_size: int | tuple[int, int] | None = None, device=None) -> SeqlenStats:
@@ -147,9 +180,23 @@ class SeqlenStats:
         """Every sum multiplied by `factor` (dense data parallelism: identical shapes on each rank)."""
         return SeqlenStats(*(getattr(self, n) * factor for n in self.field_names()), window=self.window)
 
+    def malformed(self) -> dict[str, int]:
+        """The malformed-row counters by kind (`MALFORMED` keys) that are not zero (reads them back)."""
+        values = self.to_dict()
+        return {kind: values[f"malformed_{kind}"] for kind in MALFORMED if values[f"malformed_{kind}"]}
+
     def to_dict(self) -> dict[str, int]:
         """The sums as exact Python ints (one device-to-host read for all fields)."""
         return dict(zip(self.field_names(), self.to_vector().tolist(), strict=True))
+
+
+def describe_malformed(values: dict[str, int]) -> str:
+    """One sentence on the malformed-row counters of `SeqlenStats.to_dict()` values."""
+    kinds = "; ".join(
+        f"{values[f'malformed_{k}']} with {MALFORMED[k]}" for k in MALFORMED if values[f"malformed_{k}"]
+    )
+    rows = values["malformed_rows"]
+    return f"{rows} malformed boundary row{'s' if rows != 1 else ''} ({kinds}): the sums are wrong"
 
 
 def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:
@@ -179,6 +226,29 @@ def _segment_lengths(rows: torch.Tensor) -> torch.Tensor:
     return running[..., 1:] - running[..., :-1]
 
 
+def _row_faults(rows: torch.Tensor, lengths: torch.Tensor, pack_len: int | None) -> list[torch.Tensor]:
+    """Per row, as bool `[rows]`: first not 0, a stray negative, a decrease, beyond `pack_len`.
+
+    The `-1` tail is the run of -1 values that reaches the end of the row (a reversed running
+    minimum of the is-(-1) flags); any other negative value, or a -1 followed by a boundary, is a
+    fault. Elementwise kernels and reductions over the row only: no sync.
+    """
+    r = rows.to(torch.int64)
+    sentinel = (r == -1).to(torch.int8)
+    tail = torch.cummin(sentinel.flip(-1), dim=-1).values.flip(-1).bool()
+    body = ~tail[..., 1:]
+    faults = [
+        r[..., 0] != 0,
+        ((r[..., 1:] < 0) & body).any(-1),
+        ((r[..., 1:] < r[..., :-1]) & body).any(-1),
+    ]
+    if pack_len is not None:
+        faults.append(r[..., 0] + lengths.sum(-1) > pack_len)
+    else:
+        faults.append(torch.zeros_like(faults[0]))
+    return faults
+
+
 def seqlen_stats(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor | None = None,
@@ -192,7 +262,8 @@ def seqlen_stats(
     ones the attention kernel runs over (TE's `cu_seqlens_q_padded`), defaulting to the real ones.
     `pack_len`, when given, is the token length of each row as the linear layers see it; then
     `padded_tokens = rows * pack_len` (trailing slots after the last document included).
-    Malformed input is not detected here: call `validate_cu_seqlens` in debug mode.
+    Malformed rows are counted (`malformed_rows` and one counter per `MALFORMED` kind), not
+    raised: raising would need a sync. `validate_cu_seqlens` says where, in debug mode.
     """
     window = normalize_window(window_size)
     vec = seqlen_stats_vector(cu_seqlens, cu_seqlens_padded, window=window, pack_len=pack_len)
@@ -207,10 +278,14 @@ def seqlen_stats_vector(
     pack_len: int | None = None,
 ) -> torch.Tensor:
     """`seqlen_stats` as one int64 vector in `SeqlenStats.field_names()` order (few kernels, no sync)."""
+    if pack_len is not None and (isinstance(pack_len, bool) or not isinstance(pack_len, int) or pack_len < 0):
+        raise ValueError(f"pack_len = {pack_len!r} must be an int >= 0")
     rows = _as_rows(cu_seqlens, "cu_seqlens")
     real = _segment_lengths(rows)
+    faults = _row_faults(rows, real, pack_len)
     if cu_seqlens_padded is None:
         padded = real
+        faults.append(torch.zeros_like(faults[0]))
     else:
         padded_rows = _as_rows(cu_seqlens_padded, "cu_seqlens_padded")
         if padded_rows.shape[0] != real.shape[0]:
@@ -222,18 +297,26 @@ def seqlen_stats_vector(
                 f"cu_seqlens_padded has shape {list(cu_seqlens_padded.shape)} but cu_seqlens has shape "
                 f"{list(cu_seqlens.shape)}: they must describe the same segments"
             )
-        padded = _segment_lengths(padded_rows).to(real.device)
+        padded_rows = padded_rows.to(real.device)
+        padded = _segment_lengths(padded_rows)
+        own = _row_faults(padded_rows, padded, pack_len)
+        faults = [a | b for a, b in zip(faults, own, strict=True)]
+        faults.append((real > padded).any(-1))
+    # Σs² in float64 (never wraps): where the running sum over the rows reaches 2^63 the int64
+    # sums have wrapped; each row from there on is flagged.
+    squares = torch.stack([real, padded]).double().square().sum(-1).amax(0)
+    faults.append(squares.cumsum(0) >= _INT64_LIMIT)
+    flags = torch.stack(faults)  # [kind, row]
+    malformed = torch.cat([flags.any(0, keepdim=True), flags]).to(torch.int64).sum(-1)
     features = [(real > 0).to(torch.int64), real, real * real, padded, padded * padded]
     if window is not None:
         left, right = window
         features += [_beyond(real, left), _beyond(real, right), _beyond(padded, left), _beyond(padded, right)]
     # One reduction over all features instead of one kernel (and one tensor) per field.
     vec = torch.stack(features).flatten(1).sum(-1)
-    if window is None:
-        vec = torch.cat([vec, vec.new_zeros(4)])
+    no_window = [vec.new_zeros(4)] if window is None else []
+    vec = torch.cat([vec, *no_window, malformed])
     if pack_len is not None:
-        if isinstance(pack_len, bool) or not isinstance(pack_len, int) or pack_len < 0:
-            raise ValueError(f"pack_len = {pack_len!r} must be an int >= 0")
         # An in-place fill, not a host-to-device copy: stays sync-free on CUDA.
         vec[3].fill_(real.shape[0] * pack_len)
     return vec
@@ -283,6 +366,18 @@ def _check_rows(cu: torch.Tensor, name: str, pack_len: int | None) -> list[list[
     return resolved
 
 
+def _check_squares(rows: list[list[int]], name: str, two_d: bool) -> None:
+    """Raises where the running Σs² over the rows reaches 2^63 (the int64 sums would wrap)."""
+    total = 0
+    for r, row in enumerate(rows):
+        total += sum((b - a) ** 2 for a, b in itertools.pairwise(row))
+        if total >= 2**63:
+            where = f"row {r} of {name}" if two_d else name
+            raise ValueError(
+                f"{where}: the sum of squared lengths reaches {total} >= 2**63: the int64 sums would wrap"
+            )
+
+
 def validate_cu_seqlens(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor | None = None,
@@ -292,13 +387,15 @@ def validate_cu_seqlens(
     """Raises ValueError saying what is wrong and where; syncs (debug mode and tests only).
 
     Checks: integer dtype, 1-D or 2-D, first boundary 0, no negative value except a `-1` tail
-    that runs to the end, no decrease before the tail, last boundary within `pack_len`, and for
-    `cu_seqlens_padded`: same shape, and no real document longer than its padded segment.
+    that runs to the end, no decrease before the tail, last boundary within `pack_len`, Σs² below
+    2^63, and for `cu_seqlens_padded`: same shape, and no real document longer than its padded segment.
     """
     real = _check_rows(cu_seqlens, "cu_seqlens", pack_len)
+    _check_squares(real, "cu_seqlens", cu_seqlens.dim() == 2)
     if cu_seqlens_padded is None:
         return
     padded = _check_rows(cu_seqlens_padded, "cu_seqlens_padded", pack_len)
+    _check_squares(padded, "cu_seqlens_padded", cu_seqlens.dim() == 2)
     if tuple(cu_seqlens_padded.shape) != tuple(cu_seqlens.shape):
         raise ValueError(
             f"cu_seqlens_padded has shape {list(cu_seqlens_padded.shape)} but cu_seqlens has shape "
