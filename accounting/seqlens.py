@@ -139,6 +139,11 @@ class SeqlenStats:
         num = batch if seq_len > 0 else 0
         values = (num, batch * seq_len, batch * seq_len * seq_len)
         malformed = (0,) * (1 + len(MALFORMED))
+        if batch * seq_len * seq_len >= 2**63:
+            raise ValueError(
+                f"SeqlenStats.dense: batch * seq_len**2 = {batch * seq_len * seq_len} >= 2**63 is past the "
+                "exact int64 sums"
+            )
         return cls._from_ints(values + values[1:] + (batch * left, batch * right) * 2 + malformed, window)
 
     @classmethod
