@@ -1,6 +1,7 @@
 """Exact training accounting for Megatron-style LLM training: THD-aware FLOPs, throughput, memory."""
 
 from accounting.accumulator import FlopsAccumulator
+from accounting.adapters import LoraAdapter
 from accounting.flops import FlopsBreakdown, ModelShape, training_flops
 from accounting.memory import memory_report, reduce_max_memory
 from accounting.seqlens import SeqlenStats, seqlen_stats, validate_cu_seqlens
@@ -10,6 +11,7 @@ __all__ = [
     "FlopsAccumulator",
     "FlopsBreakdown",
     "IntervalThroughput",
+    "LoraAdapter",
     "ModelShape",
     "SeqlenStats",
     "memory_report",

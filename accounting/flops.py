@@ -16,14 +16,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from accounting.adapters import LoraAdapter, adapter_macs_per_token
 from accounting.seqlens import SeqlenStats, describe_malformed, normalize_window
 
 __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training_flops"]
 
 # Term names of `FlopsBreakdown.terms`. The MTP layers' own attention and MLP are counted in the
 # attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection.
-TERMS = ("attention_projections", "core_attention", "mlp", "moe", "mtp", "logits")
+# `mla_projections` holds multi-latent attention's down/up projections (its core attention is in
+# `core_attention`); `adapter` the trainable adapter's GEMMs (only when an adapter is given).
+TERMS = (
+    "attention_projections",
+    "mla_projections",
+    "core_attention",
+    "mlp",
+    "moe",
+    "mtp",
+    "logits",
+    "adapter",
+)
 RECOMPUTE = (None, "full", "selective")
+# Terms that keep 3x their forward under `frozen_base`: core attention has no weights, the adapter trains.
+_WEIGHTLESS = ("core_attention", "adapter")
 
 
 def _positive(name: str, value: Any) -> int:
@@ -36,6 +50,10 @@ def _non_negative(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} = {value!r} must be an int >= 0")
     return value
+
+
+# MLATransformerConfig's defaults for kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim.
+_MLA_DEFAULTS = (512, 128, 64, 128)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +85,15 @@ class ModelShape:
     window_attn_skip_freq: int | tuple[int, ...] | None = None
     attention_output_gate: bool = False
     causal: bool = True
+    # Multi-latent attention (megatron-core's MLATransformerConfig; DeepSeek-V2/V3, Kimi K2). When
+    # on, these replace num_query_groups/kv_channels; None takes MLATransformerConfig's default,
+    # except q_lora_rank, where None means a direct query projection (no low-rank query).
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         def resolve(name: str, value: Any) -> None:
@@ -104,6 +131,29 @@ class ModelShape:
         resolve("window_size", normalize_window(self.window_size))
         self._check_window_layers()
         self._check_moe()
+        self._check_mla()
+
+    def _check_mla(self) -> None:
+        names = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        if not isinstance(self.multi_latent_attention, bool):
+            raise ValueError(f"multi_latent_attention = {self.multi_latent_attention!r} must be a bool")
+        if not self.multi_latent_attention:
+            for name in ("q_lora_rank", *names):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} = {getattr(self, name)!r} is set but multi_latent_attention is False"
+                    )
+            return
+        for name, default in zip(names, _MLA_DEFAULTS, strict=True):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+            _positive(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            _positive("q_lora_rank", self.q_lora_rank)
+        if self.attention_output_gate:
+            raise ValueError(
+                "attention_output_gate = True with multi_latent_attention: MLA has no output gate"
+            )
 
     def _check_window_layers(self) -> None:
         skip = self.window_attn_skip_freq
@@ -173,43 +223,23 @@ class ModelShape:
         return tuple(1 if layer % skip != 0 else 0 for layer in range(1, self.num_layers + 1))
 
     @classmethod
-    def from_megatron(cls, config: Any, vocab_size: int, *, causal: bool = True) -> ModelShape:
-        """Builds a shape from a megatron-core `TransformerConfig` (duck-typed: nothing imported).
+    def from_megatron(
+        cls, config: Any, vocab_size: int, *, hybrid_pattern: str | None = None, causal: bool = True
+    ) -> ModelShape:
+        """Builds a shape from a megatron-core `TransformerConfig` / `MLATransformerConfig`.
 
-        `vocab_size` must be the padded vocabulary. Configurations whose FLOPs this module does not
-        model (multi-latent attention, hybrid/linear attention layers) raise ValueError rather than
-        returning a silently wrong count.
+        Duck-typed: nothing is imported from megatron. `vocab_size` must be the padded
+        vocabulary. A field of a release newer than those the kit knows (set to a non-default
+        value), or a feature whose FLOPs this module does not model, raises ValueError naming the
+        field rather than returning a silently wrong count (see `accounting.megatron_config`).
         """
-        if getattr(config, "multi_latent_attention", False):
-            raise ValueError("multi_latent_attention: MLA models are not supported by ModelShape")
-        if getattr(config, "experimental_attention_variant", None) not in (None, "", "none"):
+        from accounting.megatron_config import shape_kwargs
+
+        if hybrid_pattern is not None:
             raise ValueError(
-                f"experimental_attention_variant = {config.experimental_attention_variant!r} is not supported"
+                f"hybrid_pattern = {hybrid_pattern!r}: hybrid layer patterns are not modelled yet"
             )
-        freq = getattr(config, "moe_layer_freq", 1)
-        window = getattr(config, "window_size", None)
-        skip = getattr(config, "window_attn_skip_freq", None)
-        return cls(
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            num_attention_heads=config.num_attention_heads,
-            vocab_size=vocab_size,
-            ffn_hidden_size=config.ffn_hidden_size,
-            num_query_groups=getattr(config, "num_query_groups", None),
-            kv_channels=getattr(config, "kv_channels", None),
-            gated_linear_unit=bool(getattr(config, "gated_linear_unit", False)),
-            num_moe_experts=getattr(config, "num_moe_experts", None),
-            moe_router_topk=getattr(config, "moe_router_topk", 2),
-            moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None),
-            moe_shared_expert_intermediate_size=getattr(config, "moe_shared_expert_intermediate_size", None),
-            moe_layer_freq=tuple(freq) if isinstance(freq, (list, tuple)) else freq,
-            moe_latent_size=getattr(config, "moe_latent_size", None),
-            mtp_num_layers=getattr(config, "mtp_num_layers", None),
-            window_size=tuple(window) if isinstance(window, (list, tuple)) else window,
-            window_attn_skip_freq=tuple(skip) if isinstance(skip, (list, tuple)) else skip,
-            attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
-            causal=causal,
-        )
+        return cls(**shape_kwargs(config), vocab_size=vocab_size, causal=causal)
 
 
 @dataclass(frozen=True)
@@ -251,8 +281,13 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
         else:  # experts run in the latent space, plus the down and up projections to it
             routed = shape.moe_latent_size * moe_ffn * topk * glu + 2 * h * shape.moe_latent_size
         moe = 2 * moe_layers * (routed + h * shared * glu)
+    attention = 2 * attention_layers * (h * (q + 2 * kv + gate) + q * h)
+    mla = 0
+    if shape.multi_latent_attention:
+        attention, mla = 0, 2 * attention_layers * _mla_projection_macs(shape)
     return {
-        "attention_projections": 2 * attention_layers * (h * (q + 2 * kv + gate) + q * h),
+        "attention_projections": attention,
+        "mla_projections": mla,
         "mlp": 2 * dense_layers * h * shape.ffn_hidden_size * glu,
         "moe": moe,
         "mtp": 2 * mtp * (3 * h + 2 * h * h),
@@ -260,36 +295,75 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
     }
 
 
+def _mla_projection_macs(shape: ModelShape) -> int:
+    """Multiply-adds per token of one MLA layer's projections (DeepSeek-V2 §2.1, megatron's MLA).
+
+    Query: h -> q_lora_rank -> heads x (qk + rope), or h -> heads x (qk + rope) directly; keys
+    and values: h -> kv_lora_rank + rope (the shared rope key), kv_lora_rank -> heads x (qk + v);
+    output: heads x v -> h. Norms and RoPE are not GEMMs and are not counted.
+    """
+    h, n = shape.hidden_size, shape.num_attention_heads
+    qk = shape.qk_head_dim + shape.qk_pos_emb_head_dim
+    query = h * n * qk if shape.q_lora_rank is None else h * shape.q_lora_rank + shape.q_lora_rank * n * qk
+    kv = h * (shape.kv_lora_rank + shape.qk_pos_emb_head_dim) + shape.kv_lora_rank * n * (
+        shape.qk_head_dim + shape.v_head_dim
+    )
+    return query + kv + n * shape.v_head_dim * h
+
+
+def _pair_macs(shape: ModelShape) -> int:
+    """Multiply-adds of QK^T plus AV for one (query, key) pair of one layer, all heads."""
+    if shape.multi_latent_attention:
+        n = shape.num_attention_heads
+        return n * (shape.qk_head_dim + shape.qk_pos_emb_head_dim + shape.v_head_dim)
+    return 2 * shape.kv_channels * shape.num_attention_heads
+
+
 def _core_attention_forward(shape: ModelShape, squared: int, left: int, right: int) -> int:
-    """Forward FLOPs of QK^T and AV over all layers: 4 * q per attended (query, key) pair.
+    """Forward FLOPs of QK^T and AV over all layers: 2 x `_pair_macs` per attended pair.
 
     Sliding-window layers drop the `left`/`right` pairs outside the window; full-attention layers
     (per `window_attn_skip_freq`) do not. MTP layers follow the last decoder layer's kind.
     """
-    q = shape.kv_channels * shape.num_attention_heads
+    macs = _pair_macs(shape)
     pattern = shape.window_layer_pattern
     windowed = sum(pattern) + (shape.mtp_num_layers if pattern[-1] else 0)
     full = shape.num_layers + shape.mtp_num_layers - windowed
     if shape.causal:
-        # s^2/2 pairs per document, minus those left of the window: 4q * (Σs²/2 - L) = 2q * (Σs² - 2L).
-        return 2 * q * (full * squared + windowed * (squared - 2 * left))
-    return 4 * q * (full * squared + windowed * (squared - left - right))
+        # s^2/2 pairs per document, minus those left of the window: 2m * (Σs²/2 - L) = m * (Σs² - 2L).
+        return macs * (full * squared + windowed * (squared - 2 * left))
+    return 2 * macs * (full * squared + windowed * (squared - left - right))
 
 
-def _terms(shape: ModelShape, tokens: int, squared: int, left: int, right: int) -> dict[str, int]:
+def _terms(
+    shape: ModelShape, tokens: int, squared: int, left: int, right: int, adapter: LoraAdapter | None
+) -> dict[str, int]:
     """Forward FLOPs of each term for the given sums."""
     forward = {name: per_token * tokens for name, per_token in _per_token_forward(shape).items()}
+    forward["adapter"] = 2 * adapter_macs_per_token(shape, adapter) * tokens if adapter is not None else 0
     forward["core_attention"] = _core_attention_forward(shape, squared, left, right)
     return {name: forward[name] for name in TERMS}
 
 
-def training_flops(shape: ModelShape, stats: SeqlenStats, *, recompute: str | None = None) -> FlopsBreakdown:
+def training_flops(
+    shape: ModelShape,
+    stats: SeqlenStats,
+    *,
+    recompute: str | None = None,
+    frozen_base: bool = False,
+    adapter: LoraAdapter | None = None,
+) -> FlopsBreakdown:
     """Forward + backward FLOPs of one global batch (reads the stats back: one sync per call).
 
     `recompute="full"` adds to the hardware count the forward of every transformer layer term
     (all but logits); `"selective"` adds the core-attention forward only (megatron's selective
     recomputation). Model FLOPs never include recomputation. Statistics that count malformed
     boundary rows raise ValueError: their sums are wrong.
+
+    `frozen_base=True` (adapter fine-tuning): the base's weights get their forward and
+    data-gradient GEMMs but no weight-gradient GEMM, so every weight term counts 2x its forward
+    instead of 3x; core attention has no weights and keeps 3x. `adapter` (a `LoraAdapter`) adds
+    the `adapter` term, trainable, 3x its forward.
     """
     if not isinstance(stats, SeqlenStats):
         raise ValueError(
@@ -297,7 +371,14 @@ def training_flops(shape: ModelShape, stats: SeqlenStats, *, recompute: str | No
             f"got {type(stats).__name__}"
         )
     _check_call(shape, stats.window, recompute)
-    return flops_from_sums(shape, stats.to_dict(), window=stats.window, recompute=recompute)
+    return flops_from_sums(
+        shape,
+        stats.to_dict(),
+        window=stats.window,
+        recompute=recompute,
+        frozen_base=frozen_base,
+        adapter=adapter,
+    )
 
 
 def _check_call(shape: ModelShape, window: tuple[int, int] | None, recompute: str | None) -> None:
@@ -318,9 +399,15 @@ def flops_from_sums(
     *,
     window: tuple[int, int] | None = None,
     recompute: str | None = None,
+    frozen_base: bool = False,
+    adapter: LoraAdapter | None = None,
 ) -> FlopsBreakdown:
     """`training_flops` from sums already read back (`SeqlenStats.to_dict()`): no tensor read at all."""
     _check_call(shape, window, recompute)
+    if not isinstance(frozen_base, bool):
+        raise ValueError(f"frozen_base = {frozen_base!r} must be a bool")
+    if adapter is not None and not isinstance(adapter, LoraAdapter):
+        raise ValueError(f"adapter must be a LoraAdapter or None, got {type(adapter).__name__}")
     v = dict(sums)
     if v.get("malformed_rows"):
         raise ValueError(
@@ -329,12 +416,19 @@ def flops_from_sums(
         )
     if shape.window_size is None:
         v["beyond_left"] = v["beyond_right"] = v["padded_beyond_left"] = v["padded_beyond_right"] = 0
-    model_fwd = _terms(shape, v["tokens"], v["squared"], v["beyond_left"], v["beyond_right"])
+    model_fwd = _terms(shape, v["tokens"], v["squared"], v["beyond_left"], v["beyond_right"], adapter)
     hw_fwd = _terms(
-        shape, v["padded_tokens"], v["padded_squared"], v["padded_beyond_left"], v["padded_beyond_right"]
+        shape,
+        v["padded_tokens"],
+        v["padded_squared"],
+        v["padded_beyond_left"],
+        v["padded_beyond_right"],
+        adapter,
     )
-    terms = {name: 3 * value for name, value in model_fwd.items()}
-    hardware_terms = {name: 3 * value for name, value in hw_fwd.items()}
+    # Forward + data gradient + weight gradient; a frozen weight has no weight gradient.
+    factor = {name: 2 if frozen_base and name not in _WEIGHTLESS else 3 for name in TERMS}
+    terms = {name: factor[name] * value for name, value in model_fwd.items()}
+    hardware_terms = {name: factor[name] * value for name, value in hw_fwd.items()}
     if recompute == "full":
         for name in TERMS:
             if name != "logits":

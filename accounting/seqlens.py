@@ -221,37 +221,21 @@ def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:
     return cu if cu.dim() == 2 else cu.unsqueeze(0)
 
 
-def _segment_lengths(rows: torch.Tensor) -> torch.Tensor:
-    """Segment lengths as int64, with either padding tail turned into zero-length segments.
+def _row_faults(bounds: torch.Tensor, running: torch.Tensor, pack_len: int | None) -> torch.Tensor:
+    """Bool `[4, ..., rows]`: first boundary not 0, a stray negative, a decrease, beyond `pack_len`.
 
-    The running maximum replaces every `-1` sentinel by the last real boundary, so the tail's
-    differences are 0; a repeated-value tail is left as it is. No boolean indexing, no sync.
+    `bounds` are int64 boundaries `[..., rows, n+1]`, `running` their running maximum. A `-1` tail
+    runs to the end of the row, so a -1 followed by anything but -1 is stray, as is any value
+    below -1; a decrease counts only where the later value is not -1. Elementwise kernels and
+    reductions over the row only: no sync.
     """
-    running = torch.cummax(rows.to(torch.int64), dim=-1).values
-    return running[..., 1:] - running[..., :-1]
-
-
-def _row_faults(rows: torch.Tensor, lengths: torch.Tensor, pack_len: int | None) -> list[torch.Tensor]:
-    """Per row, as bool `[rows]`: first not 0, a stray negative, a decrease, beyond `pack_len`.
-
-    The `-1` tail is the run of -1 values that reaches the end of the row (a reversed running
-    minimum of the is-(-1) flags); any other negative value, or a -1 followed by a boundary, is a
-    fault. Elementwise kernels and reductions over the row only: no sync.
-    """
-    r = rows.to(torch.int64)
-    sentinel = (r == -1).to(torch.int8)
-    tail = torch.cummin(sentinel.flip(-1), dim=-1).values.flip(-1).bool()
-    body = ~tail[..., 1:]
-    faults = [
-        r[..., 0] != 0,
-        ((r[..., 1:] < 0) & body).any(-1),
-        ((r[..., 1:] < r[..., :-1]) & body).any(-1),
-    ]
-    if pack_len is not None:
-        faults.append(r[..., 0] + lengths.sum(-1) > pack_len)
-    else:
-        faults.append(torch.zeros_like(faults[0]))
-    return faults
+    prev, nxt = bounds[..., :-1], bounds[..., 1:]
+    body = nxt != -1
+    first = bounds[..., 0] != 0
+    negative = ((nxt < -1) | ((prev == -1) & body)).any(-1)
+    decreasing = ((nxt < prev) & body).any(-1)
+    beyond = running[..., -1] > pack_len if pack_len is not None else torch.zeros_like(first)
+    return torch.stack([first, negative, decreasing, beyond])
 
 
 def seqlen_stats(
@@ -286,34 +270,36 @@ def seqlen_stats_vector(
     if pack_len is not None and (isinstance(pack_len, bool) or not isinstance(pack_len, int) or pack_len < 0):
         raise ValueError(f"pack_len = {pack_len!r} must be an int >= 0")
     rows = _as_rows(cu_seqlens, "cu_seqlens")
-    real = _segment_lengths(rows)
-    faults = _row_faults(rows, real, pack_len)
     if cu_seqlens_padded is None:
-        padded = real
-        faults.append(torch.zeros_like(faults[0]))
+        bounds = rows.to(torch.int64).unsqueeze(0)
     else:
         padded_rows = _as_rows(cu_seqlens_padded, "cu_seqlens_padded")
-        if padded_rows.shape[0] != real.shape[0]:
+        if padded_rows.shape[0] != rows.shape[0]:
             raise ValueError(
-                f"cu_seqlens_padded has {padded_rows.shape[0]} rows but cu_seqlens has {real.shape[0]}"
+                f"cu_seqlens_padded has {padded_rows.shape[0]} rows but cu_seqlens has {rows.shape[0]}"
             )
         if padded_rows.shape != rows.shape:
             raise ValueError(
                 f"cu_seqlens_padded has shape {list(cu_seqlens_padded.shape)} but cu_seqlens has shape "
                 f"{list(cu_seqlens.shape)}: they must describe the same segments"
             )
-        padded_rows = padded_rows.to(real.device)
-        padded = _segment_lengths(padded_rows)
-        own = _row_faults(padded_rows, padded, pack_len)
-        faults = [a | b for a, b in zip(faults, own, strict=True)]
-        faults.append((real > padded).any(-1))
-    # Σs² in float64 (never wraps): where the running sum over the rows reaches 2^63 the int64
-    # sums have wrapped; each row from there on is flagged.
-    squares = torch.stack([real, padded]).double().square().sum(-1).amax(0)
-    faults.append(squares.cumsum(0) >= _INT64_LIMIT)
-    flags = torch.stack(faults)  # [kind, row]
-    malformed = torch.cat([flags.any(0, keepdim=True), flags]).to(torch.int64).sum(-1)
-    features = [(real > 0).to(torch.int64), real, real * real, padded, padded * padded]
+        padded_rows = padded_rows.to(device=rows.device, dtype=torch.int64)
+        bounds = torch.stack([rows.to(torch.int64), padded_rows])
+    # Real and padded boundaries go through every kernel together: int64 [1 or 2, rows, n+1].
+    running = torch.cummax(bounds, dim=-1).values
+    lengths = running[..., 1:] - running[..., :-1]
+    real, padded = lengths[0], lengths[-1]
+    faults = _row_faults(bounds, running, pack_len).any(1)  # [4, rows]: either boundary set
+    longer = (real > padded).any(-1)
+    # Σs² in float64 (never wraps): from the row where the running sum over the rows reaches 2^63,
+    # the int64 sums have wrapped (padded lengths: at least the real ones unless `longer` says so).
+    wraps = padded.double().square().sum(-1).cumsum(0) >= _INT64_LIMIT
+    flags = torch.cat([faults, torch.stack([longer, wraps])])  # [kind, row]
+    malformed = torch.cat([flags.any(0, keepdim=True), flags]).sum(-1)
+    # Segment lengths come from the running maximum, which replaces every `-1` sentinel by the
+    # last real boundary, so the tail's differences are 0 (a repeated-value tail is already 0).
+    squares = lengths * lengths
+    features = [(real > 0).to(torch.int64), real, squares[0], padded, squares[-1]]
     if window is not None:
         left, right = window
         features += [_beyond(real, left), _beyond(real, right), _beyond(padded, left), _beyond(padded, right)]

@@ -496,7 +496,44 @@ def test_from_megatron_reads_a_real_transformer_config():
     assert dense_shape.num_query_groups == 4
 
 
-def test_from_megatron_refuses_multi_latent_attention():
-    config = SimpleNamespace(multi_latent_attention=True, num_layers=1, hidden_size=8, num_attention_heads=1)
-    with pytest.raises(ValueError, match="multi_latent_attention"):
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        # What the kit does not model yet raises, naming the field, instead of a wrong count.
+        ({"experimental_attention_variant": "some_new_variant"}, "experimental_attention_variant"),
+        ({"is_hybrid_model": True}, "is_hybrid_model"),
+        ({"heterogeneous_block_specs": True}, "heterogeneous_block_specs"),
+    ],
+)
+def test_from_megatron_refuses_what_it_does_not_model_naming_the_field(overrides, field):
+    config = SimpleNamespace(num_layers=1, hidden_size=8, num_attention_heads=1, **overrides)
+    with pytest.raises(ValueError, match=field):
         ModelShape.from_megatron(config, vocab_size=8)
+
+
+def test_from_megatron_names_a_field_of_a_newer_release_set_away_from_its_default():
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # A release newer than the kit knows: a real TransformerConfig with one more field.
+    @dataclasses.dataclass
+    class NewerConfig(TransformerConfig):
+        sparse_mixer_heads: int = 0
+
+    plain = NewerConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
+    assert ModelShape.from_megatron(plain, vocab_size=64).num_layers == 2  # at its default: harmless
+    newer = NewerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, sparse_mixer_heads=3)
+    with pytest.raises(
+        ValueError, match=r"NewerConfig\.sparse_mixer_heads = 3: a field .* does not understand"
+    ):
+        ModelShape.from_megatron(newer, vocab_size=64)
+
+
+def test_the_known_fields_cover_every_field_of_the_installed_megatron_core():
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from accounting.megatron_config import KNOWN_FIELDS
+
+    missing = {f.name for f in dataclasses.fields(MLATransformerConfig)} - KNOWN_FIELDS
+    assert not missing
