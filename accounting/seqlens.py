@@ -15,7 +15,6 @@ number of (query, key) pairs of each document that fall outside the window, summ
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, fields
 
 import torch
@@ -37,13 +36,15 @@ Window = tuple[int, int]
 # kind (and `malformed_rows` those with any) so that whoever reads the vector anyway can refuse it.
 MALFORMED: dict[str, str] = {
     "first": "a first boundary that is not 0",
-    "negative": "a negative boundary other than a -1 padding tail that runs to the end of the row",
-    "decreasing": "a boundary smaller than the one before it (before the padding tail)",
+    "order": (
+        "a boundary smaller than the one before it, or a negative one other than a -1 padding tail "
+        "that runs to the end of the row"
+    ),
     "beyond_pack": "more tokens than the pack length (pack_len / seq_len)",
     "longer_than_padded": "a real segment longer than its padded segment in cu_seqlens_padded",
-    "int64": "a sum of squared lengths past int64 (the exact sums would wrap)",
+    "int64": "row token totals whose squares sum to 2**63 or more (the int64 sums of s² could wrap)",
 }
-# Σs² of a row (or of a whole pack) at or past this no longer fits an int64 sum.
+# Σ over rows of (row token total)², an upper bound of Σs², at or past this may wrap an int64 sum.
 _INT64_LIMIT = float(2**63)
 
 
@@ -113,8 +114,7 @@ class SeqlenStats:
     padded_beyond_right: torch.Tensor
     malformed_rows: torch.Tensor
     malformed_first: torch.Tensor
-    malformed_negative: torch.Tensor
-    malformed_decreasing: torch.Tensor
+    malformed_order: torch.Tensor
     malformed_beyond_pack: torch.Tensor
     malformed_longer_than_padded: torch.Tensor
     malformed_int64: torch.Tensor
@@ -222,20 +222,20 @@ def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _row_faults(bounds: torch.Tensor, running: torch.Tensor, pack_len: int | None) -> torch.Tensor:
-    """Bool `[4, ..., rows]`: first boundary not 0, a stray negative, a decrease, beyond `pack_len`.
+    """Bool `[4, ..., rows]`: first boundary not 0, out of order, beyond `pack_len`, int64 risk.
 
     `bounds` are int64 boundaries `[..., rows, n+1]`, `running` their running maximum. A `-1` tail
-    runs to the end of the row, so a -1 followed by anything but -1 is stray, as is any value
-    below -1; a decrease counts only where the later value is not -1. Elementwise kernels and
-    reductions over the row only: no sync.
+    runs to the end of the row, so out of order is a value other than -1 that is below the one
+    before it (which catches every negative value but -1) or that follows a -1. The int64 risk
+    bounds Σs² by Σ over rows of the row's token total squared (float64, never wraps). A few
+    elementwise kernels and reductions over the row: no sync.
     """
     prev, nxt = bounds[..., :-1], bounds[..., 1:]
-    body = nxt != -1
-    first = bounds[..., 0] != 0
-    negative = ((nxt < -1) | ((prev == -1) & body)).any(-1)
-    decreasing = ((nxt < prev) & body).any(-1)
-    beyond = running[..., -1] > pack_len if pack_len is not None else torch.zeros_like(first)
-    return torch.stack([first, negative, decreasing, beyond])
+    order = (((nxt < prev) | (prev == -1)) & (nxt != -1)).any(-1)
+    last = running[..., -1]
+    beyond = last > pack_len if pack_len is not None else torch.zeros_like(order)
+    wraps = last.double().square().cumsum(-1) >= _INT64_LIMIT
+    return torch.stack([bounds[..., 0] != 0, order, beyond, wraps])
 
 
 def seqlen_stats(
@@ -290,11 +290,11 @@ def seqlen_stats_vector(
     lengths = running[..., 1:] - running[..., :-1]
     real, padded = lengths[0], lengths[-1]
     faults = _row_faults(bounds, running, pack_len).any(1)  # [4, rows]: either boundary set
-    longer = (real > padded).any(-1)
-    # Σs² in float64 (never wraps): from the row where the running sum over the rows reaches 2^63,
-    # the int64 sums have wrapped (padded lengths: at least the real ones unless `longer` says so).
-    wraps = padded.double().square().sum(-1).cumsum(0) >= _INT64_LIMIT
-    flags = torch.cat([faults, torch.stack([longer, wraps])])  # [kind, row]
+    if cu_seqlens_padded is None:
+        longer = torch.zeros_like(faults[:1])
+    else:
+        longer = (real > padded).any(-1, keepdim=True).T
+    flags = torch.cat([faults[:3], longer, faults[3:]])  # [kind, row] in MALFORMED order
     malformed = torch.cat([flags.any(0, keepdim=True), flags]).sum(-1)
     # Segment lengths come from the running maximum, which replaces every `-1` sentinel by the
     # last real boundary, so the tail's differences are 0 (a repeated-value tail is already 0).
@@ -358,14 +358,14 @@ def _check_rows(cu: torch.Tensor, name: str, pack_len: int | None) -> list[list[
 
 
 def _check_squares(rows: list[list[int]], name: str, two_d: bool) -> None:
-    """Raises where the running Σs² over the rows reaches 2^63 (the int64 sums would wrap)."""
+    """Raises where Σ over rows of (row token total)², the bound of Σs², reaches 2^63."""
     total = 0
     for r, row in enumerate(rows):
-        total += sum((b - a) ** 2 for a, b in itertools.pairwise(row))
+        total += row[-1] * row[-1]
         if total >= 2**63:
             where = f"row {r} of {name}" if two_d else name
             raise ValueError(
-                f"{where}: the sum of squared lengths reaches {total} >= 2**63: the int64 sums would wrap"
+                f"{where}: the squared row token totals sum to {total} >= 2**63: the int64 sums of s² could wrap"
             )
 
 
@@ -378,8 +378,8 @@ def validate_cu_seqlens(
     """Raises ValueError saying what is wrong and where; syncs (debug mode and tests only).
 
     Checks: integer dtype, 1-D or 2-D, first boundary 0, no negative value except a `-1` tail
-    that runs to the end, no decrease before the tail, last boundary within `pack_len`, Σs² below
-    2^63, and for `cu_seqlens_padded`: same shape, and no real document longer than its padded segment.
+    that runs to the end, no decrease before the tail, last boundary within `pack_len`, squared
+    row totals (a bound of Σs²) summing below 2^63, and for `cu_seqlens_padded`: same shape, and no real document longer than its padded segment.
     """
     real = _check_rows(cu_seqlens, "cu_seqlens", pack_len)
     _check_squares(real, "cu_seqlens", cu_seqlens.dim() == 2)

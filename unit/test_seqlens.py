@@ -333,13 +333,13 @@ def test_malformed_row_count_equals_the_rows_the_syncing_validation_rejects(raw)
     ("cu", "dtype", "kwargs", "kinds"),
     [
         # The silently wrong answers of the issue: each is now counted as malformed.
-        ([0, 5, 3, 8], torch.int64, {}, {"decreasing": 1}),
+        ([0, 5, 3, 8], torch.int64, {}, {"order": 1}),
         ([5, 10], torch.int64, {}, {"first": 1}),
-        ([0, 5, -1, 8], torch.int64, {}, {"negative": 1}),
-        ([0, 100, 200, 300], torch.int8, {}, {"negative": 1, "decreasing": 1}),  # int8 wraps 200 to -56
+        ([0, 5, -1, 8], torch.int64, {}, {"order": 1}),
+        ([0, 100, 200, 300], torch.int8, {}, {"order": 1}),  # int8 wraps 200 to -56
         ([0, 4, 8], torch.int64, {"pack_len": 4}, {"beyond_pack": 1}),
-        ([0, 3, -2], torch.int64, {}, {"negative": 1, "decreasing": 1}),
-        ([0, 2**32, 2 * 2**32], torch.int64, {}, {"int64": 1}),  # (2^32)^2 * 2 = 2^65
+        ([0, 3, -2], torch.int64, {}, {"order": 1}),
+        ([0, 2**32, 2 * 2**32], torch.int64, {}, {"int64": 1}),  # row total (2^33)^2 = 2^66
     ],
 )
 def test_malformed_rows_are_counted_by_kind(cu, dtype, kwargs, kinds):
@@ -362,8 +362,9 @@ def test_rows_that_fit_int64_one_by_one_but_not_together_are_counted_from_where_
     cu = torch.tensor([[0, s], [0, s], [0, s]])
     stats = seqlen_stats(cu)
     assert stats.malformed() == {"int64": 2}
-    with pytest.raises(ValueError, match=r"^row 1 of cu_seqlens: the sum of squared lengths reaches"):
+    with pytest.raises(ValueError, match=r"^row 1 of cu_seqlens: the squared row token totals sum to"):
         validate_cu_seqlens(cu)
+    assert seqlen_stats(cu[:1]).malformed() == {}  # 2^62 alone fits
 
 
 def test_malformed_counters_stay_on_meta_tensors():
@@ -376,5 +377,5 @@ def test_malformed_counters_stay_on_meta_tensors():
 def test_malformed_counters_add_and_round_trip_through_the_vector():
     bad = seqlen_stats(torch.tensor([0, 5, 3]))
     both = bad + bad
-    assert both.malformed() == {"decreasing": 2}
-    assert SeqlenStats.from_vector(both.to_vector()).malformed() == {"decreasing": 2}
+    assert both.malformed() == {"order": 2}
+    assert SeqlenStats.from_vector(both.to_vector()).malformed() == {"order": 2}
