@@ -17,7 +17,7 @@ import sys
 import torch
 
 from accounting.flops import flops_from_sums, training_flops
-from accounting.presets import PRESETS, preset
+from accounting.presets import PRESETS, preset, preset_adapter
 from accounting.seqlens import SeqlenStats, seqlen_stats, validate_cu_seqlens
 
 __all__ = ["main"]
@@ -126,7 +126,7 @@ def _stats(args) -> tuple[SeqlenStats, int, int]:
     return stats, pack_len, int(stats.num_sequences)
 
 
-def _dense_pack_flops(shape, pack_len: int) -> int:
+def _dense_pack_flops(shape, pack_len: int, frozen: bool, adapter) -> int:
     """Model FLOPs if the pack were one document of `pack_len` tokens (exact Python ints, no int64)."""
     sums = dict.fromkeys(SeqlenStats.field_names(), 0)
     sums.update(
@@ -136,14 +136,15 @@ def _dense_pack_flops(shape, pack_len: int) -> int:
         padded_tokens=pack_len,
         padded_squared=pack_len * pack_len,
     )
-    return flops_from_sums(shape, sums).total
+    return flops_from_sums(shape, sums, frozen_base=frozen, adapter=adapter).total
 
 
 def _flops(args) -> int:
-    shape = preset(args.preset)
+    shape, adapter = preset(args.preset), preset_adapter(args.preset)
     stats, pack_len, docs = _stats(args)
-    result = training_flops(shape, stats, recompute=args.recompute)
-    dense = _dense_pack_flops(shape, pack_len)
+    frozen = adapter is not None
+    result = training_flops(shape, stats, recompute=args.recompute, frozen_base=frozen, adapter=adapter)
+    dense = _dense_pack_flops(shape, pack_len, frozen, adapter)
     over = dense / result.total - 1 if result.total else 0.0
     if args.json:
         print(
@@ -155,6 +156,10 @@ def _flops(args) -> int:
                     "pack_len": pack_len,
                     "squared": int(stats.squared),
                     "recompute": args.recompute,
+                    "frozen_base": frozen,
+                    "adapter": None
+                    if adapter is None
+                    else {"rank": adapter.rank, "targets": list(adapter.targets)},
                     "model_flops": result.total,
                     "hardware_flops": result.hardware_total,
                     "terms": result.terms,
@@ -166,8 +171,12 @@ def _flops(args) -> int:
         )
         return 0
     print(f"{args.preset}: {docs} documents, {int(stats.tokens)} real tokens in a pack of {pack_len}")
+    if adapter is not None:
+        print(f"frozen base, LoRA rank {adapter.rank} on {', '.join(adapter.targets)}")
     print(f"{'term':<24}{'model FLOPs':>16}{'hardware FLOPs':>18}")
     for name, value in result.terms.items():
+        if not value and not result.hardware_terms[name]:
+            continue  # a term this architecture does not have
         print(f"{name:<24}{value:>16.4e}{result.hardware_terms[name]:>18.4e}")
     print(f"{'total':<24}{result.total:>16.4e}{result.hardware_total:>18.4e}")
     print(f"model FLOPs (exact): {result.total}")

@@ -280,3 +280,46 @@ def test_from_megatron_reads_a_direct_query_projection_as_q_lora_rank_none():
     shape = ModelShape.from_megatron(_mla_config(q_lora_rank=None), vocab_size=128)
     assert shape.q_lora_rank is None
     assert training_flops(shape, SeqlenStats.dense(1, 7)).total == oracle(shape, [7])
+
+
+# ---------------------------------------------------------------- presets, through the CLI
+
+
+def test_deepseek_v3_preset_activates_the_published_37b_parameters_per_token():
+    # DeepSeek-V3 (arXiv:2412.19437, abstract): 37B activated parameters per token. Forward weight
+    # FLOPs per token are 2 per activated weight; the input embedding (a lookup) adds h x vocab.
+    import dataclasses
+
+    from accounting.presets import preset
+
+    main_model = dataclasses.replace(preset("deepseek-v3"), mtp_num_layers=0)
+    terms = training_flops(main_model, SeqlenStats.dense(1, 1)).terms
+    weights = sum(terms[t] for t in ("mla_projections", "mlp", "moe", "logits")) // 6
+    assert round((weights + 7168 * 129280) / 1e9) == 37
+
+
+def test_cli_prints_deepseek_v3_exact_flops_equal_to_the_oracle(capsys):
+    from accounting.cli import main
+    from accounting.presets import preset
+
+    lengths = [4096, 2048, 1024, 1024]
+    assert main(["flops", "--preset", "deepseek-v3", "--docs", ",".join(map(str, lengths))]) == 0
+    out = capsys.readouterr().out
+    assert f"model FLOPs (exact): {oracle(preset('deepseek-v3'), lengths)}" in out
+    assert "mla_projections" in out and "attention_projections" not in out  # no term it lacks
+
+
+def test_cli_lora_preset_counts_a_frozen_llama3_70b_and_its_rank_16_adapter(capsys):
+    import json
+
+    from accounting.cli import main
+
+    assert main(["flops", "--preset", "llama3-70b-lora", "--docs", "3000,1000", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    h, q, kv, ffn, layers, vocab, r = 8192, 8192, 1024, 28672, 80, 128256, 16
+    weights = layers * (h * q + 2 * h * kv + q * h + 3 * h * ffn) + h * vocab
+    lora = layers * r * ((h + q + 2 * kv) + (q + h) + (h + 2 * ffn) + (ffn + h))
+    core = 3 * 2 * (2 * q) * layers * Fraction(3000**2 + 1000**2, 2)
+    assert data["frozen_base"] and data["adapter"]["rank"] == 16
+    assert data["terms"]["adapter"] == 6 * lora * 4000
+    assert data["model_flops"] == 4 * weights * 4000 + core + 6 * lora * 4000
