@@ -83,12 +83,11 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _squares_fit(flag: str, lengths: list[int]) -> None:
-    """The exact sums are int64: Σs² must stay below 2**63."""
-    squared = sum(d * d for d in lengths)
-    if squared > INT64_MAX:
+def _squares_fit(flag: str, total: int) -> None:
+    """The exact sums are int64; Σs² is bounded by the pack's token total squared, kept below 2**63."""
+    if total * total > INT64_MAX:
         raise _UsageError(
-            f"{flag}: the sum of squared lengths is {squared} >= 2**63, past the exact int64 sums"
+            f"{flag}: {total} tokens in one pack; {total}**2 >= 2**63 is past the exact int64 sums of s²"
         )
 
 
@@ -101,7 +100,7 @@ def _stats(args) -> tuple[SeqlenStats, int, int]:
             raise _UsageError("give --docs, --cu-seqlens or --seq-len")
         # --seq-len N alone is one document of N tokens; N = 0 is an empty pack, as --cu-seqlens 0.
         cu = [0, args.seq_len] if args.seq_len else [0]
-        _squares_fit("--seq-len", [args.seq_len])
+        _squares_fit("--seq-len", args.seq_len)
     elif args.docs is not None:
         if not args.docs:
             raise _UsageError("--docs: no document length given")
@@ -112,7 +111,7 @@ def _stats(args) -> tuple[SeqlenStats, int, int]:
         for d in args.docs:
             cu.append(cu[-1] + d)
         _in_range("--docs: the total", [cu[-1]], 0)
-        _squares_fit("--docs", args.docs)
+        _squares_fit("--docs", cu[-1])
     else:
         cu = args.cu_seqlens
         _in_range("--cu-seqlens", cu, -1)

@@ -74,11 +74,12 @@ BAD_ARGUMENTS = [
     (("flops", "--preset", "llama3-8b", "--docs", "4", "--cu-seqlens", "0,4"), "not allowed with argument"),
     (("frobnicate",), "invalid choice"),
     # Out-of-range numbers: one line, never a traceback (int64 overflow used to escape as one).
-    (("flops", "--preset", "llama3-8b", "--docs", "4000000000"), "--docs: the sum of squared lengths is"),
+    (("flops", "--preset", "llama3-8b", "--docs", "4000000000"), "--docs: 4000000000 tokens in one pack"),
+    (("flops", "--preset", "llama3-8b", "--docs", "2000000000,2000000000"), "--docs: 4000000000 tokens"),
     (("flops", "--preset", "llama3-8b", "--docs", str(2**63)), "is out of range"),
     (("flops", "--preset", "llama3-8b", "--docs", f"{2**62},{2**62}"), "--docs: the total"),
     (("flops", "--preset", "llama3-8b", "--seq-len", "-3"), "--seq-len -3 is out of range"),
-    (("flops", "--preset", "llama3-8b", "--seq-len", "4000000000"), "--seq-len: the sum of squared"),
+    (("flops", "--preset", "llama3-8b", "--seq-len", "4000000000"), "--seq-len: 4000000000 tokens"),
     (("flops", "--preset", "llama3-8b", "--cu-seqlens", f"0,{2**63}"), "--cu-seqlens 9223372036854775808"),
     (("flops", "--preset", "llama3-8b", "--cu-seqlens", "0,-7"), "--cu-seqlens -7 (entry 1) is out of range"),
     (("flops", "--preset", "llama3-8b", "--docs", "@/nonexistent/lengths.txt"), "cannot read"),
@@ -153,10 +154,12 @@ def test_an_empty_pack_is_the_same_from_seq_len_0_and_cu_seqlens_0(capsys):
 
 
 def test_a_pack_whose_dense_equivalent_is_past_int64_still_gets_its_exact_count(capsys):
-    # Σs² = 2 * (2e9)^2 = 8e18 fits int64; the dense pack_len² = 1.6e19 does not, yet is exact here.
+    # The documents' sums fit int64; the dense pack_len² = 1.6e19 does not, yet is exact here.
     from accounting.cli import main
 
-    assert main(["flops", "--preset", "llama3-8b", "--docs", "2000000000,2000000000", "--json"]) == 0
+    args = ["flops", "--preset", "llama3-8b", "--docs", "1000,3000", "--seq-len", "4000000000", "--json"]
+    assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["model_flops"] == llama3_8b_flops([2 * 10**9] * 2, 4 * 10**9)[0]
+    assert data["model_flops"] == llama3_8b_flops([1000, 3000], 4 * 10**9)[0]
+    assert data["hardware_flops"] == llama3_8b_flops([1000, 3000], 4 * 10**9)[1]
     assert data["dense_pack_flops"] == llama3_8b_flops([4 * 10**9], 4 * 10**9)[0]
