@@ -162,7 +162,12 @@ def test_presets_reproduce_upstream_gbs1_totals_to_three_significant_figures(nam
     assert float(f"{total:.2e}") == reference
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+# Megatron-LM's GQA formula covers every preset but the multi-latent-attention ones (their oracle is
+# in unit/test_flops_mla.py); the LoRA preset's base is llama3-70b, trained in full here.
+MEGATRON_GQA_PRESETS = sorted(n for n, s in PRESETS.items() if not s.multi_latent_attention)
+
+
+@pytest.mark.parametrize("name", MEGATRON_GQA_PRESETS)
 def test_presets_equal_megatron_lm_formula_evaluated_in_floats(name):
     shape = PRESETS[name]
     upstream = megatron_num_floating_point_operations(megatron_args(shape, 4096), 8)  # floats, as upstream
