@@ -44,6 +44,8 @@ def adapter_macs_per_token(shape: ModelShape, adapter: LoraAdapter) -> int:
         )
     if any(shape.moe_layer_pattern) and {"linear_fc1", "linear_fc2"} & set(adapter.targets):
         raise ValueError("LoraAdapter on linear_fc1/linear_fc2 of MoE experts is not modelled")
+    if shape.hybrid_pattern is not None:
+        raise ValueError("LoraAdapter on a hybrid_pattern model is not modelled")
     h, r = shape.hidden_size, adapter.rank
     q = shape.kv_channels * shape.num_attention_heads
     kv = shape.kv_channels * shape.num_query_groups

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.adapters import LoraAdapter, adapter_macs_per_token
+from accounting.hybrid import mamba_forward_flops_per_token, parse_hybrid_pattern
 from accounting.seqlens import SeqlenStats, describe_malformed, normalize_window
 
 __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training_flops"]
@@ -24,11 +25,14 @@ __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training
 # Term names of `FlopsBreakdown.terms`. The MTP layers' own attention and MLP are counted in the
 # attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection.
 # `mla_projections` holds multi-latent attention's down/up projections (its core attention is in
-# `core_attention`); `adapter` the trainable adapter's GEMMs (only when an adapter is given).
+# `core_attention`); `mamba` the Mamba-2 mixers' projections and conv, `mamba_scan` their scan
+# (hybrid patterns); `adapter` the trainable adapter's GEMMs (only when an adapter is given).
 TERMS = (
     "attention_projections",
     "mla_projections",
     "core_attention",
+    "mamba",
+    "mamba_scan",
     "mlp",
     "moe",
     "mtp",
@@ -37,7 +41,7 @@ TERMS = (
 )
 RECOMPUTE = (None, "full", "selective")
 # Terms that keep 3x their forward under `frozen_base`: core attention has no weights, the adapter trains.
-_WEIGHTLESS = ("core_attention", "adapter")
+_WEIGHTLESS = ("core_attention", "mamba_scan", "adapter")
 
 
 def _positive(name: str, value: Any) -> int:
@@ -94,6 +98,15 @@ class ModelShape:
     qk_head_dim: int | None = None
     qk_pos_emb_head_dim: int | None = None
     v_head_dim: int | None = None
+    # Hybrid models (Nemotron-H): the layer pattern in megatron-core's alphabet (see
+    # accounting.hybrid); num_layers must equal its main decoder's layers, and its MTP depths
+    # set mtp_num_layers. Mamba-2 mixers: mamba_num_heads None means megatron's expand = 2
+    # (inner width 2 * hidden_size, heads = that / mamba_head_dim).
+    hybrid_pattern: str | None = None
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None
 
     def __post_init__(self) -> None:
         def resolve(name: str, value: Any) -> None:
@@ -132,6 +145,44 @@ class ModelShape:
         self._check_window_layers()
         self._check_moe()
         self._check_mla()
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        if self.hybrid_pattern is None:
+            return  # the mamba_* fields only matter for a hybrid pattern
+        layers = parse_hybrid_pattern(self.hybrid_pattern)
+        if len(layers.main) != self.num_layers:
+            raise ValueError(
+                f"hybrid_pattern = {self.hybrid_pattern!r} has {len(layers.main)} main layers but "
+                f"num_layers = {self.num_layers}"
+            )
+        if self.mtp_num_layers not in (0, layers.mtp_depths):
+            raise ValueError(
+                f"mtp_num_layers = {self.mtp_num_layers} but hybrid_pattern has {layers.mtp_depths} MTP depths"
+            )
+        object.__setattr__(self, "mtp_num_layers", layers.mtp_depths)
+        for name in ("window_size", "multi_latent_attention"):
+            if getattr(self, name):
+                raise ValueError(f"{name} = {getattr(self, name)!r} with a hybrid_pattern is not modelled")
+        if layers.counts["moe"] and self.num_moe_experts is None:
+            raise ValueError(
+                f"hybrid_pattern = {self.hybrid_pattern!r} has MoE layers but num_moe_experts is None"
+            )
+        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
+            _positive(name, getattr(self, name))
+        if self.mamba_num_heads is None:
+            inner = 2 * self.hidden_size
+            if inner % self.mamba_head_dim:
+                raise ValueError(
+                    f"mamba_num_heads is not given and 2 * hidden_size = {inner} is not divisible by "
+                    f"mamba_head_dim = {self.mamba_head_dim}"
+                )
+            object.__setattr__(self, "mamba_num_heads", inner // self.mamba_head_dim)
+        _positive("mamba_num_heads", self.mamba_num_heads)
+        if self.mamba_num_heads % self.mamba_num_groups:
+            raise ValueError(
+                f"mamba_num_groups = {self.mamba_num_groups} must divide mamba_num_heads = {self.mamba_num_heads}"
+            )
 
     def _check_mla(self) -> None:
         names = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
@@ -232,14 +283,11 @@ class ModelShape:
         vocabulary. A field of a release newer than those the kit knows (set to a non-default
         value), or a feature whose FLOPs this module does not model, raises ValueError naming the
         field rather than returning a silently wrong count (see `accounting.megatron_config`).
+        A hybrid model (`is_hybrid_model`) takes its layer pattern as `hybrid_pattern`.
         """
         from accounting.megatron_config import shape_kwargs
 
-        if hybrid_pattern is not None:
-            raise ValueError(
-                f"hybrid_pattern = {hybrid_pattern!r}: hybrid layer patterns are not modelled yet"
-            )
-        return cls(**shape_kwargs(config), vocab_size=vocab_size, causal=causal)
+        return cls(**shape_kwargs(config, hybrid_pattern), vocab_size=vocab_size, causal=causal)
 
 
 @dataclass(frozen=True)
@@ -270,6 +318,14 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
     else:
         dense_layers += mtp
     attention_layers = shape.num_layers + mtp
+    mamba = scan = 0
+    if shape.hybrid_pattern is not None:
+        counts = parse_hybrid_pattern(shape.hybrid_pattern).counts
+        attention_layers, dense_layers, moe_layers = counts["attention"], counts["mlp"], counts["moe"]
+        weights, per_scan = mamba_forward_flops_per_token(
+            h, shape.mamba_num_heads, shape.mamba_head_dim, shape.mamba_num_groups, shape.mamba_state_dim
+        )
+        mamba, scan = counts["mamba"] * weights, counts["mamba"] * per_scan
 
     if shape.num_moe_experts is None:
         moe = 0
@@ -288,6 +344,8 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
     return {
         "attention_projections": attention,
         "mla_projections": mla,
+        "mamba": mamba,
+        "mamba_scan": scan,
         "mlp": 2 * dense_layers * h * shape.ffn_hidden_size * glu,
         "moe": moe,
         "mtp": 2 * mtp * (3 * h + 2 * h * h),
@@ -329,6 +387,8 @@ def _core_attention_forward(shape: ModelShape, squared: int, left: int, right: i
     pattern = shape.window_layer_pattern
     windowed = sum(pattern) + (shape.mtp_num_layers if pattern[-1] else 0)
     full = shape.num_layers + shape.mtp_num_layers - windowed
+    if shape.hybrid_pattern is not None:
+        windowed, full = 0, parse_hybrid_pattern(shape.hybrid_pattern).counts["attention"]
     if shape.causal:
         # s^2/2 pairs per document, minus those left of the window: 2m * (Σs²/2 - L) = m * (Σs² - 2L).
         return macs * (full * squared + windowed * (squared - 2 * left))

@@ -124,7 +124,6 @@ _UNMODELLED: dict[str, tuple[Any, str]] = {
         lambda v: v is not None,
         "linear-attention layer patterns are not modelled yet",
     ),
-    "is_hybrid_model": (bool, "hybrid Mamba/attention layer patterns are not modelled yet"),
     "heterogeneous_block_specs": (bool, "per-layer heterogeneous blocks are not modelled"),
     "mtp_hybrid_override_pattern": (
         lambda v: v is not None,
@@ -175,9 +174,17 @@ def _tuple_or(value: Any) -> Any:
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
-def shape_kwargs(config: Any) -> dict[str, Any]:
-    """`ModelShape` keyword arguments (all but vocab_size and causal) read from `config`."""
+def shape_kwargs(config: Any, hybrid_pattern: str | None = None) -> dict[str, Any]:
+    """`ModelShape` keyword arguments (all but vocab_size and causal) read from `config`.
+
+    A hybrid model (`is_hybrid_model`) needs its layer pattern, which megatron-core keeps outside
+    the config (`--hybrid-layer-pattern`): pass it as `hybrid_pattern`.
+    """
     _check_fields(config)
+    if getattr(config, "is_hybrid_model", False) and hybrid_pattern is None:
+        raise ValueError(
+            "is_hybrid_model = True: pass hybrid_pattern= (megatron's layer pattern, e.g. 'M-M*-') to count its layers"
+        )
     kwargs: dict[str, Any] = {
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
@@ -195,6 +202,13 @@ def shape_kwargs(config: Any) -> dict[str, Any]:
         "window_attn_skip_freq": _tuple_or(getattr(config, "window_attn_skip_freq", None)),
         "attention_output_gate": bool(getattr(config, "attention_output_gate", False)),
     }
+    if hybrid_pattern is not None:
+        kwargs["hybrid_pattern"] = hybrid_pattern
+        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"):
+            if hasattr(config, name):
+                kwargs[name] = getattr(config, name)
+        if kwargs["mtp_num_layers"] is not None and "/" in hybrid_pattern:
+            kwargs["mtp_num_layers"] = None  # the pattern's depths decide
     if getattr(config, "multi_latent_attention", False):
         kwargs["multi_latent_attention"] = True
         for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):

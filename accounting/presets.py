@@ -99,6 +99,24 @@ PRESETS: dict[str, ModelShape] = {
         qk_pos_emb_head_dim=64,
         v_head_dim=128,
     ),
+    # Nemotron-H 8B: Megatron-Bridge docs/models/llm/nemotronh.md "Nemotron H 8B Specifications" and
+    # nvidia/Nemotron-H-8B-Base-8K config.json (52 layers in the pattern below: 24 Mamba-2, 4
+    # attention, 24 MLP; hidden 4096, FFN 21504 squared-ReLU (not gated), 32 heads, 8 KV groups,
+    # head dim 128; Mamba: 128 heads x 64, state 128, 8 groups; vocab 131072).
+    "nemotron-h-8b": ModelShape(
+        num_layers=52,
+        hidden_size=4096,
+        ffn_hidden_size=21504,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=128,
+        vocab_size=131072,
+        hybrid_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        mamba_num_heads=128,
+        mamba_head_dim=64,
+        mamba_state_dim=128,
+        mamba_num_groups=8,
+    ),
 }
 # LoRA on a frozen Llama 3 70B: the shape of "llama3-70b"; the adapter is Megatron-Bridge's PEFT
 # guide example (docs/training/peft.md: LoRA(target_modules=["linear_qkv", "linear_proj",

@@ -162,9 +162,12 @@ def test_presets_reproduce_upstream_gbs1_totals_to_three_significant_figures(nam
     assert float(f"{total:.2e}") == reference
 
 
-# Megatron-LM's GQA formula covers every preset but the multi-latent-attention ones (their oracle is
-# in unit/test_flops_mla.py); the LoRA preset's base is llama3-70b, trained in full here.
-MEGATRON_GQA_PRESETS = sorted(n for n, s in PRESETS.items() if not s.multi_latent_attention)
+# Megatron-LM's transformer formula covers every preset but the multi-latent-attention and hybrid
+# ones (their oracles are in unit/test_flops_mla.py and test_flops_hybrid.py); the LoRA preset's
+# base is llama3-70b, trained in full here.
+MEGATRON_GQA_PRESETS = sorted(
+    n for n, s in PRESETS.items() if not s.multi_latent_attention and s.hybrid_pattern is None
+)
 
 
 @pytest.mark.parametrize("name", MEGATRON_GQA_PRESETS)
