@@ -18,6 +18,7 @@ from typing import Any
 
 from accounting.adapters import LoraAdapter, adapter_macs_per_token
 from accounting.hybrid import mamba_forward_flops_per_token, parse_hybrid_pattern
+from accounting.linear_attention import GDN_VARIANTS, gdn_forward_flops_per_token, linear_layer_pattern
 from accounting.seqlens import SeqlenStats, describe_malformed, normalize_window
 
 __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training_flops"]
@@ -26,13 +27,15 @@ __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training
 # attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection.
 # `mla_projections` holds multi-latent attention's down/up projections (its core attention is in
 # `core_attention`); `mamba` the Mamba-2 mixers' projections and conv, `mamba_scan` their scan
-# (hybrid patterns); `adapter` the trainable adapter's GEMMs (only when an adapter is given).
+# (hybrid patterns); `gdn` / `gdn_scan` the same for gated DeltaNet layers; `adapter` the trainable adapter's GEMMs (only when an adapter is given).
 TERMS = (
     "attention_projections",
     "mla_projections",
     "core_attention",
     "mamba",
     "mamba_scan",
+    "gdn",
+    "gdn_scan",
     "mlp",
     "moe",
     "mtp",
@@ -41,7 +44,7 @@ TERMS = (
 )
 RECOMPUTE = (None, "full", "selective")
 # Terms that keep 3x their forward under `frozen_base`: core attention has no weights, the adapter trains.
-_WEIGHTLESS = ("core_attention", "mamba_scan", "adapter")
+_WEIGHTLESS = ("core_attention", "mamba_scan", "gdn_scan", "adapter")
 
 
 def _positive(name: str, value: Any) -> int:
@@ -107,6 +110,16 @@ class ModelShape:
     mamba_head_dim: int = 64
     mamba_num_groups: int = 8
     mamba_num_heads: int | None = None
+    # Gated DeltaNet linear attention (Qwen3-Next): experimental_attention_variant "gated_delta_net"
+    # (or "gdn", its newer name) with linear_attention_freq choosing the linear layers; in a
+    # hybrid_pattern the `G` layers use it. Defaults are TransformerConfig's.
+    experimental_attention_variant: str | None = None
+    linear_attention_freq: int | tuple[int, ...] | None = None
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self) -> None:
         def resolve(name: str, value: Any) -> None:
@@ -146,6 +159,51 @@ class ModelShape:
         self._check_moe()
         self._check_mla()
         self._check_hybrid()
+        self._check_linear_attention()
+
+    def _check_linear_attention(self) -> None:
+        variant = self.experimental_attention_variant
+        if variant in (None, "", "none"):
+            object.__setattr__(self, "experimental_attention_variant", None)
+            if self.linear_attention_freq is not None:
+                raise ValueError(
+                    f"linear_attention_freq = {self.linear_attention_freq!r} needs experimental_attention_variant"
+                )
+            return
+        if variant not in GDN_VARIANTS:
+            raise ValueError(
+                f"experimental_attention_variant = {variant!r} is not modelled (known: {', '.join(GDN_VARIANTS)})"
+            )
+        for name in ("linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads"):
+            _positive(name, getattr(self, name))
+        for name in ("linear_num_value_heads", "linear_conv_kernel_dim"):
+            _positive(name, getattr(self, name))
+        freq = self.linear_attention_freq
+        if self.hybrid_pattern is not None:
+            return  # the pattern's `G` layers are the linear ones
+        if freq is None:
+            raise ValueError(f"experimental_attention_variant = {variant!r} needs linear_attention_freq")
+        if isinstance(freq, (list, tuple)):
+            freq = tuple(freq)
+            object.__setattr__(self, "linear_attention_freq", freq)
+            if len(freq) != self.num_layers or any(v not in (0, 1) or isinstance(v, float) for v in freq):
+                raise ValueError(
+                    f"linear_attention_freq = {list(freq)!r} must list one 0 or 1 per layer ({self.num_layers} layers)"
+                )
+        else:
+            _positive("linear_attention_freq", freq)
+        if self.window_size is not None or self.multi_latent_attention:
+            raise ValueError("experimental_attention_variant with window_size or MLA is not modelled")
+
+    @property
+    def linear_layers(self) -> int:
+        """Gated-DeltaNet layers, MTP depths included (an MTP layer takes the last layer's kind)."""
+        if self.hybrid_pattern is not None:
+            return parse_hybrid_pattern(self.hybrid_pattern).counts["gdn"]
+        if self.experimental_attention_variant is None:
+            return 0
+        pattern = linear_layer_pattern(self.linear_attention_freq, self.num_layers)
+        return sum(pattern) + (self.mtp_num_layers if pattern[-1] else 0)
 
     def _check_hybrid(self) -> None:
         if self.hybrid_pattern is None:
@@ -168,6 +226,8 @@ class ModelShape:
             raise ValueError(
                 f"hybrid_pattern = {self.hybrid_pattern!r} has MoE layers but num_moe_experts is None"
             )
+        if not layers.counts["mamba"]:
+            return  # no Mamba layer: its fields do not matter
         for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
             _positive(name, getattr(self, name))
         if self.mamba_num_heads is None:
@@ -318,14 +378,28 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
     else:
         dense_layers += mtp
     attention_layers = shape.num_layers + mtp
+    linear = shape.linear_layers
+    attention_layers -= 0 if shape.hybrid_pattern is not None else linear
+    gdn = gdn_scan = 0
+    if linear:
+        weights, per_scan = gdn_forward_flops_per_token(
+            h,
+            shape.linear_key_head_dim,
+            shape.linear_value_head_dim,
+            shape.linear_num_key_heads,
+            shape.linear_num_value_heads,
+            shape.linear_conv_kernel_dim,
+        )
+        gdn, gdn_scan = linear * weights, linear * per_scan
     mamba = scan = 0
     if shape.hybrid_pattern is not None:
         counts = parse_hybrid_pattern(shape.hybrid_pattern).counts
         attention_layers, dense_layers, moe_layers = counts["attention"], counts["mlp"], counts["moe"]
-        weights, per_scan = mamba_forward_flops_per_token(
-            h, shape.mamba_num_heads, shape.mamba_head_dim, shape.mamba_num_groups, shape.mamba_state_dim
-        )
-        mamba, scan = counts["mamba"] * weights, counts["mamba"] * per_scan
+        if counts["mamba"]:
+            weights, per_scan = mamba_forward_flops_per_token(
+                h, shape.mamba_num_heads, shape.mamba_head_dim, shape.mamba_num_groups, shape.mamba_state_dim
+            )
+            mamba, scan = counts["mamba"] * weights, counts["mamba"] * per_scan
 
     if shape.num_moe_experts is None:
         moe = 0
@@ -346,6 +420,8 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
         "mla_projections": mla,
         "mamba": mamba,
         "mamba_scan": scan,
+        "gdn": gdn,
+        "gdn_scan": gdn_scan,
         "mlp": 2 * dense_layers * h * shape.ffn_hidden_size * glu,
         "moe": moe,
         "mtp": 2 * mtp * (3 * h + 2 * h * h),
@@ -386,7 +462,7 @@ def _core_attention_forward(shape: ModelShape, squared: int, left: int, right: i
     macs = _pair_macs(shape)
     pattern = shape.window_layer_pattern
     windowed = sum(pattern) + (shape.mtp_num_layers if pattern[-1] else 0)
-    full = shape.num_layers + shape.mtp_num_layers - windowed
+    full = shape.num_layers + shape.mtp_num_layers - windowed - shape.linear_layers
     if shape.hybrid_pattern is not None:
         windowed, full = 0, parse_hybrid_pattern(shape.hybrid_pattern).counts["attention"]
     if shape.causal:

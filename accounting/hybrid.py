@@ -2,8 +2,9 @@
 
 The alphabet is that of megatron-core's `hybrid_layer_allocation.Symbols`: `M` Mamba-2, `*`
 attention, `-` MLP, `E` MoE, `|` a pipeline cut (no layer), `/` the start of one MTP depth (each
-`/`-separated part after the main pattern is the layer pattern of one depth). `G` gated DeltaNet,
-`+` MLA and `D` DSA layers are megatron-core symbols this module does not model yet: they raise.
+`/`-separated part after the main pattern is the layer pattern of one depth), `G` gated DeltaNet
+(see accounting.linear_attention). `+` MLA and `D` DSA layers are megatron-core symbols this
+module does not model yet: they raise.
 
 Mamba-2 (Dao & Gu 2024, "Transformers are SSMs", §7 and the Mamba-2 block; megatron-core's
 `MambaMixer`): with H heads of width P (inner width d = H·P), G groups and state size N,
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 __all__ = ["MAMBA_CONV_WIDTH", "HybridLayers", "mamba_forward_flops_per_token", "parse_hybrid_pattern"]
 
 MAMBA_CONV_WIDTH = 4  # megatron-core's MambaMixer d_conv (not a config field)
-_LAYERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
-_NOT_MODELLED = {"G": "gated DeltaNet", "+": "MLA", "D": "DeepSeek sparse attention"}
+_LAYERS = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
+_NOT_MODELLED = {"+": "MLA", "D": "DeepSeek sparse attention"}
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class HybridLayers:
 
     main: tuple[str, ...]  # the main decoder's layer symbols, pipeline cuts removed
     mtp_depths: int
-    counts: dict[str, int]  # "mamba", "attention", "mlp", "moe" -> layers, main + every MTP depth
+    counts: dict[str, int]  # "mamba", "gdn", "attention", "mlp", "moe" -> layers, main + MTP depths
 
 
 def parse_hybrid_pattern(pattern: str) -> HybridLayers:
@@ -46,7 +47,7 @@ def parse_hybrid_pattern(pattern: str) -> HybridLayers:
             )
         if symbol not in _LAYERS:
             raise ValueError(
-                f"hybrid_pattern[{i}] = {symbol!r} is not a megatron hybrid symbol (M * - E | / G + D)"
+                f"hybrid_pattern[{i}] = {symbol!r} is not a megatron hybrid symbol (M G * - E | / + D)"
             )
         counts[_LAYERS[symbol]] += 1
     parts = pattern.split("/")

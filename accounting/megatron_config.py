@@ -111,18 +111,14 @@ KNOWN_FIELDS = frozenset(
 
 
 def _variant(value: Any) -> bool:
-    return value not in (None, "", "none")
+    return value not in (None, "", "none", "gated_delta_net", "gdn")
 
 
 # Known fields whose non-default values change the FLOPs in ways ModelShape does not model yet.
 _UNMODELLED: dict[str, tuple[Any, str]] = {
     "experimental_attention_variant": (
         _variant,
-        "gated DeltaNet / DSA attention variants are not modelled yet",
-    ),
-    "linear_attention_freq": (
-        lambda v: v is not None,
-        "linear-attention layer patterns are not modelled yet",
+        "only gated DeltaNet ('gated_delta_net' or 'gdn') is modelled; DSA is not yet",
     ),
     "heterogeneous_block_specs": (bool, "per-layer heterogeneous blocks are not modelled"),
     "mtp_hybrid_override_pattern": (
@@ -202,6 +198,19 @@ def shape_kwargs(config: Any, hybrid_pattern: str | None = None) -> dict[str, An
         "window_attn_skip_freq": _tuple_or(getattr(config, "window_attn_skip_freq", None)),
         "attention_output_gate": bool(getattr(config, "attention_output_gate", False)),
     }
+    variant = getattr(config, "experimental_attention_variant", None)
+    if variant not in (None, "", "none") or (hybrid_pattern is not None and "G" in hybrid_pattern):
+        kwargs["experimental_attention_variant"] = variant if variant not in (None, "", "none") else "gdn"
+        kwargs["linear_attention_freq"] = _tuple_or(getattr(config, "linear_attention_freq", None))
+        for name in (
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_conv_kernel_dim",
+        ):
+            if getattr(config, name, None) is not None:
+                kwargs[name] = getattr(config, name)
     if hybrid_pattern is not None:
         kwargs["hybrid_pattern"] = hybrid_pattern
         for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"):

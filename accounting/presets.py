@@ -117,6 +117,34 @@ PRESETS: dict[str, ModelShape] = {
         mamba_state_dim=128,
         mamba_num_groups=8,
     ),
+    # Qwen3-Next-80B-A3B: Qwen/Qwen3-Next-80B-A3B-Instruct config.json (48 layers, hidden 2048;
+    # full_attention_interval 4: every 4th layer gated softmax attention (16 heads, 2 KV heads,
+    # head_dim 256, attention output gate), the others gated DeltaNet (16 key heads, 32 value
+    # heads, head dims 128, conv 4); every layer MoE: 512 experts, 10 routed, moe_intermediate_size
+    # 512, one shared expert of 512; SwiGLU; vocab 151936; one MTP depth).
+    "qwen3-next-80b-a3b": ModelShape(
+        num_layers=48,
+        hidden_size=2048,
+        ffn_hidden_size=5120,
+        num_attention_heads=16,
+        num_query_groups=2,
+        kv_channels=256,
+        vocab_size=151936,
+        gated_linear_unit=True,
+        attention_output_gate=True,
+        num_moe_experts=512,
+        moe_router_topk=10,
+        moe_ffn_hidden_size=512,
+        moe_shared_expert_intermediate_size=512,
+        mtp_num_layers=1,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_conv_kernel_dim=4,
+    ),
 }
 # LoRA on a frozen Llama 3 70B: the shape of "llama3-70b"; the adapter is Megatron-Bridge's PEFT
 # guide example (docs/training/peft.md: LoRA(target_modules=["linear_qkv", "linear_proj",

@@ -162,11 +162,13 @@ def test_presets_reproduce_upstream_gbs1_totals_to_three_significant_figures(nam
     assert float(f"{total:.2e}") == reference
 
 
-# Megatron-LM's transformer formula covers every preset but the multi-latent-attention and hybrid
-# ones (their oracles are in unit/test_flops_mla.py and test_flops_hybrid.py); the LoRA preset's
-# base is llama3-70b, trained in full here.
+# Megatron-LM's transformer formula (as restated here) covers every preset but the MLA, hybrid and
+# gated-DeltaNet ones (their oracles: unit/test_flops_mla.py, test_flops_hybrid.py,
+# test_flops_gdn.py); the LoRA preset's base is llama3-70b, trained in full here.
 MEGATRON_GQA_PRESETS = sorted(
-    n for n, s in PRESETS.items() if not s.multi_latent_attention and s.hybrid_pattern is None
+    n
+    for n, s in PRESETS.items()
+    if not s.multi_latent_attention and s.hybrid_pattern is None and s.experimental_attention_variant is None
 )
 
 

@@ -118,7 +118,7 @@ def test_mamba_width_is_heads_times_head_dim_not_twice_hidden():
 @pytest.mark.parametrize(
     ("pattern", "message"),
     [
-        ("MG*", r"hybrid_pattern\[1\] = 'G' \(gated DeltaNet layer\) is not modelled yet"),
+        ("MD*", r"hybrid_pattern\[1\] = 'D' \(DeepSeek sparse attention layer\) is not modelled yet"),
         ("M+*", r"hybrid_pattern\[1\] = '\+' \(MLA layer\)"),
         ("MX*", r"hybrid_pattern\[1\] = 'X' is not a megatron hybrid symbol"),
         ("M*/", r"an MTP depth after '/' has no layer"),
