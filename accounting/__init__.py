@@ -1,6 +1,7 @@
 """Exact training accounting for Megatron-style LLM training: THD-aware FLOPs, throughput, memory."""
 
 from accounting.accumulator import FlopsAccumulator
+from accounting.adapters import LoraAdapter
 from accounting.flops import FlopsBreakdown, ModelShape, training_flops
 from accounting.inspector import InspectConfig, TensorInspector
 from accounting.memory import memory_report, reduce_max_memory
@@ -12,6 +13,7 @@ __all__ = [
     "FlopsBreakdown",
     "InspectConfig",
     "IntervalThroughput",
+    "LoraAdapter",
     "ModelShape",
     "SeqlenStats",
     "TensorInspector",

@@ -19,12 +19,21 @@ from typing import Any
 
 import torch
 
-from accounting.flops import FlopsBreakdown, ModelShape, training_flops
-from accounting.seqlens import SeqlenStats, normalize_window, seqlen_stats_vector, validate_cu_seqlens
+from accounting.flops import FlopsBreakdown, ModelShape, flops_from_sums
+from accounting.seqlens import (
+    MALFORMED,
+    SeqlenStats,
+    describe_malformed,
+    normalize_window,
+    seqlen_stats_vector,
+    validate_cu_seqlens,
+)
 
 __all__ = ["FlopsAccumulator"]
 
 _COUNTERS = ("total_flops", "hardware_total_flops", "total_tokens", "total_padded_tokens", "steps")
+# Where the malformed-row counters sit in the statistics vector (`malformed_rows` first).
+_MALFORMED_AT = SeqlenStats.field_names().index("malformed_rows")
 
 
 def _dist_ready() -> bool:
@@ -62,7 +71,10 @@ class FlopsAccumulator:
     a DP rank sees the same full `cu_seqlens` and must be counted once.
     `packed=False` (BSHD): each microbatch is `micro_batch_size` x `seq_len` real tokens, identical
     on every DP rank, so `resolve` multiplies by the DP size and runs no collective.
-    `validate=True` runs the syncing `validate_cu_seqlens` on every microbatch (debug mode).
+    Malformed boundaries never give a silently wrong count: the sync-free statistics carry
+    malformed-row counters, and `step` (which reads the vector anyway) raises a ValueError naming
+    the microbatch and what is wrong. `validate=True` also runs the exact, syncing
+    `validate_cu_seqlens` on every microbatch (debug mode), which names the index at once.
     """
 
     def __init__(
@@ -96,6 +108,7 @@ class FlopsAccumulator:
 
     def _reset_microbatches(self) -> None:
         self._packed_sum: torch.Tensor | None = None  # int64 vector on the microbatches' device
+        self._malformed: list[torch.Tensor] = []  # per microbatch, a view of its malformed counters
         self._dense = SeqlenStats.zeros(window_size=self.window)
         self.num_microbatches = 0
 
@@ -130,6 +143,7 @@ class FlopsAccumulator:
         if self.validate:
             validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, pack_len=pack_len)
         vec = seqlen_stats_vector(cu_seqlens, cu_seqlens_padded, window=self.window, pack_len=pack_len)
+        self._malformed.append(vec[_MALFORMED_AT:])  # a view: no kernel, no copy
         self._packed_sum = vec if self._packed_sum is None else self._packed_sum + vec
 
     def _add_dense(self, tokens, seq_len, micro_batch_size) -> None:
@@ -197,20 +211,52 @@ class FlopsAccumulator:
         dp_size: int | None = None,
         recompute: str | None = None,
     ) -> int:
-        """Resolves, adds this step's model FLOPs to `total_flops`, resets; returns the step's FLOPs."""
+        """Resolves, adds this step's model FLOPs to `total_flops`, resets; returns the step's FLOPs.
+
+        Reads the statistics vector back once (the step's only sync).
+        Raises ValueError, on every rank of the group alike, when any rank's microbatches held
+        malformed boundaries; the step is then discarded (nothing added, state reset).
+        """
         stats = self.resolve(dp_group=dp_group, dp_size=dp_size)
-        breakdown = training_flops(
-            shape, stats, recompute=recompute if recompute is not None else self.recompute
+        values = stats.to_dict()
+        if values["malformed_rows"]:
+            message = self._malformed_message(values)
+            self._reset_microbatches()
+            raise ValueError(message)
+        breakdown = flops_from_sums(
+            shape,
+            values,
+            window=stats.window,
+            recompute=recompute if recompute is not None else self.recompute,
         )
         self.total_flops += breakdown.total
         self.hardware_total_flops += breakdown.hardware_total
-        self.total_tokens += int(stats.tokens)
-        self.total_padded_tokens += int(stats.padded_tokens)
+        self.total_tokens += values["tokens"]
+        self.total_padded_tokens += values["padded_tokens"]
         self.steps += 1
         self.last_breakdown = breakdown
         self.last_stats = stats
         self._reset_microbatches()
         return breakdown.total
+
+    def _malformed_message(self, values: dict[str, int]) -> str:
+        """Which of this rank's microbatches were malformed and how (reads their counters: one sync)."""
+        local = torch.stack(self._malformed).tolist() if self._malformed else []
+        found = []
+        for index, counts in enumerate(local):
+            if counts[0]:
+                kinds = ", ".join(text for text, n in zip(MALFORMED.values(), counts[1:], strict=True) if n)
+                rows = f"{counts[0]} malformed row{'s' if counts[0] != 1 else ''}"
+                found.append(f"microbatch {index} has {rows} ({kinds})")
+        where = (
+            "; ".join(found)
+            if found
+            else f"another data-parallel rank's microbatches: {describe_malformed(values)}"
+        )
+        return (
+            f"FlopsAccumulator.step: {where}. The step is not counted; FlopsAccumulator(validate=True) "
+            "or validate_cu_seqlens(...) names the index"
+        )
 
     def state_dict(self) -> dict[str, int]:
         """The cumulative counters as Python ints (exact at any size; never float32)."""

@@ -2,19 +2,22 @@
 
 Prints the FLOPs breakdown of one packed sequence (model vs hardware FLOPs) and how far counting
 the pack as one dense sequence (pack_len^2 attention) would over-report. Bad arguments get one
-line on stderr and exit code 2.
+line on stderr and exit code 2: unknown names, malformed boundaries, and any number out of range
+(negative, or past what the exact int64 sums hold). Long lists come from a file or stdin:
+`--docs @lengths.txt`, `--docs -` (integers separated by commas, spaces or newlines).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 import torch
 
-from accounting.flops import TERMS, training_flops
-from accounting.presets import PRESETS, preset
+from accounting.flops import flops_from_sums, training_flops
+from accounting.presets import PRESETS, preset, preset_adapter
 from accounting.seqlens import SeqlenStats, seqlen_stats, validate_cu_seqlens
 
 __all__ = ["main"]
@@ -29,11 +32,41 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _read_list_source(text: str) -> tuple[str, str]:
+    """The list's text and where it came from: inline, `@FILE`, or `-` for stdin."""
+    if text == "-":
+        return sys.stdin.read(), "stdin"
+    if text.startswith("@"):
+        try:
+            with open(text[1:], encoding="utf-8") as handle:
+                return handle.read(), text[1:]
+        except OSError as err:
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]!r}: {err.strerror}") from None
+    return text, "the argument"
+
+
 def _int_list(text: str) -> list[int]:
+    """Integers separated by commas and/or whitespace, inline or from `@FILE` / `-` (stdin)."""
+    body, source = _read_list_source(text)
+    parts = [part for part in re.split(r"[,\s]+", body) if part]
     try:
-        return [int(part) for part in text.split(",") if part.strip() != ""]
+        return [int(part) for part in parts]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        bad = next(p for p in parts if not re.fullmatch(r"[+-]?\d+", p.replace("_", "")))
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {bad[:40]!r} in {source}"
+        ) from None
+
+
+def _in_range(flag: str, values: list[int], low: int) -> None:
+    """Every value within [low, 2**63 - 1], else a one-line usage error naming the first offender."""
+    for i, value in enumerate(values):
+        if not low <= value <= INT64_MAX:
+            where = f" (entry {i})" if len(values) > 1 else ""
+            raise _UsageError(f"{flag} {value}{where} is out of range: expected {low} <= value <= 2**63 - 1")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -50,37 +83,67 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _squares_fit(flag: str, total: int) -> None:
+    """The exact sums are int64; Σs² is bounded by the pack's token total squared, kept below 2**63."""
+    if total * total > INT64_MAX:
+        raise _UsageError(
+            f"{flag}: {total} tokens in one pack; {total}**2 >= 2**63 is past the exact int64 sums of s²"
+        )
+
+
 def _stats(args) -> tuple[SeqlenStats, int, int]:
     """Statistics of the pack described by the arguments, its pack length and document count."""
+    if args.seq_len is not None:
+        _in_range("--seq-len", [args.seq_len], 0)
     if args.docs is None and args.cu_seqlens is None:
         if args.seq_len is None:
             raise _UsageError("give --docs, --cu-seqlens or --seq-len")
-        if args.seq_len <= 0:
-            raise _UsageError(f"--seq-len {args.seq_len} must be positive")
-        return SeqlenStats.dense(1, args.seq_len), args.seq_len, 1
-    if args.docs is not None:
-        if not args.docs or any(d <= 0 for d in args.docs):
-            raise _UsageError(f"--docs {args.docs}: lengths must be positive")
+        # --seq-len N alone is one document of N tokens; N = 0 is an empty pack, as --cu-seqlens 0.
+        cu = [0, args.seq_len] if args.seq_len else [0]
+        _squares_fit("--seq-len", args.seq_len)
+    elif args.docs is not None:
+        if not args.docs:
+            raise _UsageError("--docs: no document length given")
+        _in_range("--docs", args.docs, 0)
+        if any(d == 0 for d in args.docs):
+            raise _UsageError(f"--docs: lengths must be positive (entry {args.docs.index(0)} is 0)")
         cu = [0]
         for d in args.docs:
             cu.append(cu[-1] + d)
+        _in_range("--docs: the total", [cu[-1]], 0)
+        _squares_fit("--docs", cu[-1])
     else:
         cu = args.cu_seqlens
+        _in_range("--cu-seqlens", cu, -1)
+    pack_len = args.seq_len if args.seq_len is not None else max(cu) if cu else 0
     cu_tensor = torch.tensor(cu, dtype=torch.int64)
-    pack_len = args.seq_len if args.seq_len is not None else max(c for c in cu) if cu else 0
     try:
         validate_cu_seqlens(cu_tensor, pack_len=pack_len)
     except ValueError as err:
-        raise _UsageError(str(err)) from None
+        raise _UsageError(f"{'--cu-seqlens' if args.cu_seqlens is not None else '--docs'}: {err}") from None
     stats = seqlen_stats(cu_tensor, pack_len=pack_len)
     return stats, pack_len, int(stats.num_sequences)
 
 
+def _dense_pack_flops(shape, pack_len: int, frozen: bool, adapter) -> int:
+    """Model FLOPs if the pack were one document of `pack_len` tokens (exact Python ints, no int64)."""
+    sums = dict.fromkeys(SeqlenStats.field_names(), 0)
+    sums.update(
+        num_sequences=1 if pack_len else 0,
+        tokens=pack_len,
+        squared=pack_len * pack_len,
+        padded_tokens=pack_len,
+        padded_squared=pack_len * pack_len,
+    )
+    return flops_from_sums(shape, sums, frozen_base=frozen, adapter=adapter).total
+
+
 def _flops(args) -> int:
-    shape = preset(args.preset)
+    shape, adapter = preset(args.preset), preset_adapter(args.preset)
     stats, pack_len, docs = _stats(args)
-    result = training_flops(shape, stats, recompute=args.recompute)
-    dense = training_flops(shape, SeqlenStats.dense(1, pack_len)).total if pack_len else 0
+    frozen = adapter is not None
+    result = training_flops(shape, stats, recompute=args.recompute, frozen_base=frozen, adapter=adapter)
+    dense = _dense_pack_flops(shape, pack_len, frozen, adapter)
     over = dense / result.total - 1 if result.total else 0.0
     if args.json:
         print(
@@ -92,6 +155,10 @@ def _flops(args) -> int:
                     "pack_len": pack_len,
                     "squared": int(stats.squared),
                     "recompute": args.recompute,
+                    "frozen_base": frozen,
+                    "adapter": None
+                    if adapter is None
+                    else {"rank": adapter.rank, "targets": list(adapter.targets)},
                     "model_flops": result.total,
                     "hardware_flops": result.hardware_total,
                     "terms": result.terms,
@@ -103,12 +170,18 @@ def _flops(args) -> int:
         )
         return 0
     print(f"{args.preset}: {docs} documents, {int(stats.tokens)} real tokens in a pack of {pack_len}")
+    if adapter is not None:
+        print(f"frozen base, LoRA rank {adapter.rank} on {', '.join(adapter.targets)}")
     print(f"{'term':<24}{'model FLOPs':>16}{'hardware FLOPs':>18}")
-    for name in TERMS:
-        print(f"{name:<24}{result.terms[name]:>16.4e}{result.hardware_terms[name]:>18.4e}")
+    for name, value in result.terms.items():
+        if not value and not result.hardware_terms[name]:
+            continue  # a term this architecture does not have
+        print(f"{name:<24}{value:>16.4e}{result.hardware_terms[name]:>18.4e}")
     print(f"{'total':<24}{result.total:>16.4e}{result.hardware_total:>18.4e}")
     print(f"model FLOPs (exact): {result.total}")
     print(f"hardware FLOPs (exact): {result.hardware_total}")
+    per_token = f"{result.total / int(stats.tokens):.4e}" if int(stats.tokens) else "n/a"
+    print(f"model FLOPs per token: {per_token}")
     print(f"pack_len^2 count: {dense:.4e} (over-reports model FLOPs by {over:+.2%})")
     return 0
 

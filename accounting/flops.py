@@ -16,14 +16,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from accounting.seqlens import SeqlenStats, normalize_window
+from accounting.adapters import LoraAdapter, adapter_macs_per_token
+from accounting.hybrid import mamba_forward_flops_per_token, parse_hybrid_pattern
+from accounting.linear_attention import GDN_VARIANTS, gdn_forward_flops_per_token, linear_layer_pattern
+from accounting.seqlens import SeqlenStats, describe_malformed, normalize_window
 
-__all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "training_flops"]
+__all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training_flops"]
 
 # Term names of `FlopsBreakdown.terms`. The MTP layers' own attention and MLP are counted in the
 # attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection.
-TERMS = ("attention_projections", "core_attention", "mlp", "moe", "mtp", "logits")
+# `mla_projections` holds multi-latent attention's down/up projections (its core attention is in
+# `core_attention`); `mamba` the Mamba-2 mixers' projections and conv, `mamba_scan` their scan
+# (hybrid patterns); `gdn` / `gdn_scan` the same for gated DeltaNet layers; `adapter` the trainable adapter's GEMMs (only when an adapter is given).
+TERMS = (
+    "attention_projections",
+    "mla_projections",
+    "core_attention",
+    "mamba",
+    "mamba_scan",
+    "gdn",
+    "gdn_scan",
+    "mlp",
+    "moe",
+    "mtp",
+    "logits",
+    "adapter",
+)
 RECOMPUTE = (None, "full", "selective")
+# Terms that keep 3x their forward under `frozen_base`: core attention has no weights, the adapter trains.
+_WEIGHTLESS = ("core_attention", "mamba_scan", "gdn_scan", "adapter")
 
 
 def _positive(name: str, value: Any) -> int:
@@ -36,6 +57,10 @@ def _non_negative(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} = {value!r} must be an int >= 0")
     return value
+
+
+# MLATransformerConfig's defaults for kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim.
+_MLA_DEFAULTS = (512, 128, 64, 128)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +92,34 @@ class ModelShape:
     window_attn_skip_freq: int | tuple[int, ...] | None = None
     attention_output_gate: bool = False
     causal: bool = True
+    # Multi-latent attention (megatron-core's MLATransformerConfig; DeepSeek-V2/V3, Kimi K2). When
+    # on, these replace num_query_groups/kv_channels; None takes MLATransformerConfig's default,
+    # except q_lora_rank, where None means a direct query projection (no low-rank query).
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
+    # Hybrid models (Nemotron-H): the layer pattern in megatron-core's alphabet (see
+    # accounting.hybrid); num_layers must equal its main decoder's layers, and its MTP depths
+    # set mtp_num_layers. Mamba-2 mixers: mamba_num_heads None means megatron's expand = 2
+    # (inner width 2 * hidden_size, heads = that / mamba_head_dim).
+    hybrid_pattern: str | None = None
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None
+    # Gated DeltaNet linear attention (Qwen3-Next): experimental_attention_variant "gated_delta_net"
+    # (or "gdn", its newer name) with linear_attention_freq choosing the linear layers; in a
+    # hybrid_pattern the `G` layers use it. Defaults are TransformerConfig's.
+    experimental_attention_variant: str | None = None
+    linear_attention_freq: int | tuple[int, ...] | None = None
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_conv_kernel_dim: int = 4
 
     def __post_init__(self) -> None:
         def resolve(name: str, value: Any) -> None:
@@ -104,6 +157,114 @@ class ModelShape:
         resolve("window_size", normalize_window(self.window_size))
         self._check_window_layers()
         self._check_moe()
+        self._check_mla()
+        self._check_hybrid()
+        self._check_linear_attention()
+
+    def _check_linear_attention(self) -> None:
+        variant = self.experimental_attention_variant
+        if variant in (None, "", "none"):
+            object.__setattr__(self, "experimental_attention_variant", None)
+            if self.linear_attention_freq is not None:
+                raise ValueError(
+                    f"linear_attention_freq = {self.linear_attention_freq!r} needs experimental_attention_variant"
+                )
+            return
+        if variant not in GDN_VARIANTS:
+            raise ValueError(
+                f"experimental_attention_variant = {variant!r} is not modelled (known: {', '.join(GDN_VARIANTS)})"
+            )
+        for name in ("linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads"):
+            _positive(name, getattr(self, name))
+        for name in ("linear_num_value_heads", "linear_conv_kernel_dim"):
+            _positive(name, getattr(self, name))
+        freq = self.linear_attention_freq
+        if self.hybrid_pattern is not None:
+            return  # the pattern's `G` layers are the linear ones
+        if freq is None:
+            raise ValueError(f"experimental_attention_variant = {variant!r} needs linear_attention_freq")
+        if isinstance(freq, (list, tuple)):
+            freq = tuple(freq)
+            object.__setattr__(self, "linear_attention_freq", freq)
+            if len(freq) != self.num_layers or any(v not in (0, 1) or isinstance(v, float) for v in freq):
+                raise ValueError(
+                    f"linear_attention_freq = {list(freq)!r} must list one 0 or 1 per layer ({self.num_layers} layers)"
+                )
+        else:
+            _positive("linear_attention_freq", freq)
+        if self.window_size is not None or self.multi_latent_attention:
+            raise ValueError("experimental_attention_variant with window_size or MLA is not modelled")
+
+    @property
+    def linear_layers(self) -> int:
+        """Gated-DeltaNet layers, MTP depths included (an MTP layer takes the last layer's kind)."""
+        if self.hybrid_pattern is not None:
+            return parse_hybrid_pattern(self.hybrid_pattern).counts["gdn"]
+        if self.experimental_attention_variant is None:
+            return 0
+        pattern = linear_layer_pattern(self.linear_attention_freq, self.num_layers)
+        return sum(pattern) + (self.mtp_num_layers if pattern[-1] else 0)
+
+    def _check_hybrid(self) -> None:
+        if self.hybrid_pattern is None:
+            return  # the mamba_* fields only matter for a hybrid pattern
+        layers = parse_hybrid_pattern(self.hybrid_pattern)
+        if len(layers.main) != self.num_layers:
+            raise ValueError(
+                f"hybrid_pattern = {self.hybrid_pattern!r} has {len(layers.main)} main layers but "
+                f"num_layers = {self.num_layers}"
+            )
+        if self.mtp_num_layers not in (0, layers.mtp_depths):
+            raise ValueError(
+                f"mtp_num_layers = {self.mtp_num_layers} but hybrid_pattern has {layers.mtp_depths} MTP depths"
+            )
+        object.__setattr__(self, "mtp_num_layers", layers.mtp_depths)
+        for name in ("window_size", "multi_latent_attention"):
+            if getattr(self, name):
+                raise ValueError(f"{name} = {getattr(self, name)!r} with a hybrid_pattern is not modelled")
+        if layers.counts["moe"] and self.num_moe_experts is None:
+            raise ValueError(
+                f"hybrid_pattern = {self.hybrid_pattern!r} has MoE layers but num_moe_experts is None"
+            )
+        if not layers.counts["mamba"]:
+            return  # no Mamba layer: its fields do not matter
+        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups"):
+            _positive(name, getattr(self, name))
+        if self.mamba_num_heads is None:
+            inner = 2 * self.hidden_size
+            if inner % self.mamba_head_dim:
+                raise ValueError(
+                    f"mamba_num_heads is not given and 2 * hidden_size = {inner} is not divisible by "
+                    f"mamba_head_dim = {self.mamba_head_dim}"
+                )
+            object.__setattr__(self, "mamba_num_heads", inner // self.mamba_head_dim)
+        _positive("mamba_num_heads", self.mamba_num_heads)
+        if self.mamba_num_heads % self.mamba_num_groups:
+            raise ValueError(
+                f"mamba_num_groups = {self.mamba_num_groups} must divide mamba_num_heads = {self.mamba_num_heads}"
+            )
+
+    def _check_mla(self) -> None:
+        names = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        if not isinstance(self.multi_latent_attention, bool):
+            raise ValueError(f"multi_latent_attention = {self.multi_latent_attention!r} must be a bool")
+        if not self.multi_latent_attention:
+            for name in ("q_lora_rank", *names):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} = {getattr(self, name)!r} is set but multi_latent_attention is False"
+                    )
+            return
+        for name, default in zip(names, _MLA_DEFAULTS, strict=True):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+            _positive(name, getattr(self, name))
+        if self.q_lora_rank is not None:
+            _positive("q_lora_rank", self.q_lora_rank)
+        if self.attention_output_gate:
+            raise ValueError(
+                "attention_output_gate = True with multi_latent_attention: MLA has no output gate"
+            )
 
     def _check_window_layers(self) -> None:
         skip = self.window_attn_skip_freq
@@ -173,43 +334,20 @@ class ModelShape:
         return tuple(1 if layer % skip != 0 else 0 for layer in range(1, self.num_layers + 1))
 
     @classmethod
-    def from_megatron(cls, config: Any, vocab_size: int, *, causal: bool = True) -> ModelShape:
-        """Builds a shape from a megatron-core `TransformerConfig` (duck-typed: nothing imported).
+    def from_megatron(
+        cls, config: Any, vocab_size: int, *, hybrid_pattern: str | None = None, causal: bool = True
+    ) -> ModelShape:
+        """Builds a shape from a megatron-core `TransformerConfig` / `MLATransformerConfig`.
 
-        `vocab_size` must be the padded vocabulary. Configurations whose FLOPs this module does not
-        model (multi-latent attention, hybrid/linear attention layers) raise ValueError rather than
-        returning a silently wrong count.
+        Duck-typed: nothing is imported from megatron. `vocab_size` must be the padded
+        vocabulary. A field of a release newer than those the kit knows (set to a non-default
+        value), or a feature whose FLOPs this module does not model, raises ValueError naming the
+        field rather than returning a silently wrong count (see `accounting.megatron_config`).
+        A hybrid model (`is_hybrid_model`) takes its layer pattern as `hybrid_pattern`.
         """
-        if getattr(config, "multi_latent_attention", False):
-            raise ValueError("multi_latent_attention: MLA models are not supported by ModelShape")
-        if getattr(config, "experimental_attention_variant", None) not in (None, "", "none"):
-            raise ValueError(
-                f"experimental_attention_variant = {config.experimental_attention_variant!r} is not supported"
-            )
-        freq = getattr(config, "moe_layer_freq", 1)
-        window = getattr(config, "window_size", None)
-        skip = getattr(config, "window_attn_skip_freq", None)
-        return cls(
-            num_layers=config.num_layers,
-            hidden_size=config.hidden_size,
-            num_attention_heads=config.num_attention_heads,
-            vocab_size=vocab_size,
-            ffn_hidden_size=config.ffn_hidden_size,
-            num_query_groups=getattr(config, "num_query_groups", None),
-            kv_channels=getattr(config, "kv_channels", None),
-            gated_linear_unit=bool(getattr(config, "gated_linear_unit", False)),
-            num_moe_experts=getattr(config, "num_moe_experts", None),
-            moe_router_topk=getattr(config, "moe_router_topk", 2),
-            moe_ffn_hidden_size=getattr(config, "moe_ffn_hidden_size", None),
-            moe_shared_expert_intermediate_size=getattr(config, "moe_shared_expert_intermediate_size", None),
-            moe_layer_freq=tuple(freq) if isinstance(freq, (list, tuple)) else freq,
-            moe_latent_size=getattr(config, "moe_latent_size", None),
-            mtp_num_layers=getattr(config, "mtp_num_layers", None),
-            window_size=tuple(window) if isinstance(window, (list, tuple)) else window,
-            window_attn_skip_freq=tuple(skip) if isinstance(skip, (list, tuple)) else skip,
-            attention_output_gate=bool(getattr(config, "attention_output_gate", False)),
-            causal=causal,
-        )
+        from accounting.megatron_config import shape_kwargs
+
+        return cls(**shape_kwargs(config, hybrid_pattern), vocab_size=vocab_size, causal=causal)
 
 
 @dataclass(frozen=True)
@@ -240,6 +378,28 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
     else:
         dense_layers += mtp
     attention_layers = shape.num_layers + mtp
+    linear = shape.linear_layers
+    attention_layers -= 0 if shape.hybrid_pattern is not None else linear
+    gdn = gdn_scan = 0
+    if linear:
+        weights, per_scan = gdn_forward_flops_per_token(
+            h,
+            shape.linear_key_head_dim,
+            shape.linear_value_head_dim,
+            shape.linear_num_key_heads,
+            shape.linear_num_value_heads,
+            shape.linear_conv_kernel_dim,
+        )
+        gdn, gdn_scan = linear * weights, linear * per_scan
+    mamba = scan = 0
+    if shape.hybrid_pattern is not None:
+        counts = parse_hybrid_pattern(shape.hybrid_pattern).counts
+        attention_layers, dense_layers, moe_layers = counts["attention"], counts["mlp"], counts["moe"]
+        if counts["mamba"]:
+            weights, per_scan = mamba_forward_flops_per_token(
+                h, shape.mamba_num_heads, shape.mamba_head_dim, shape.mamba_num_groups, shape.mamba_state_dim
+            )
+            mamba, scan = counts["mamba"] * weights, counts["mamba"] * per_scan
 
     if shape.num_moe_experts is None:
         moe = 0
@@ -251,8 +411,17 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
         else:  # experts run in the latent space, plus the down and up projections to it
             routed = shape.moe_latent_size * moe_ffn * topk * glu + 2 * h * shape.moe_latent_size
         moe = 2 * moe_layers * (routed + h * shared * glu)
+    attention = 2 * attention_layers * (h * (q + 2 * kv + gate) + q * h)
+    mla = 0
+    if shape.multi_latent_attention:
+        attention, mla = 0, 2 * attention_layers * _mla_projection_macs(shape)
     return {
-        "attention_projections": 2 * attention_layers * (h * (q + 2 * kv + gate) + q * h),
+        "attention_projections": attention,
+        "mla_projections": mla,
+        "mamba": mamba,
+        "mamba_scan": scan,
+        "gdn": gdn,
+        "gdn_scan": gdn_scan,
         "mlp": 2 * dense_layers * h * shape.ffn_hidden_size * glu,
         "moe": moe,
         "mtp": 2 * mtp * (3 * h + 2 * h * h),
@@ -260,59 +429,142 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
     }
 
 
+def _mla_projection_macs(shape: ModelShape) -> int:
+    """Multiply-adds per token of one MLA layer's projections (DeepSeek-V2 §2.1, megatron's MLA).
+
+    Query: h -> q_lora_rank -> heads x (qk + rope), or h -> heads x (qk + rope) directly; keys
+    and values: h -> kv_lora_rank + rope (the shared rope key), kv_lora_rank -> heads x (qk + v);
+    output: heads x v -> h. Norms and RoPE are not GEMMs and are not counted.
+    """
+    h, n = shape.hidden_size, shape.num_attention_heads
+    qk = shape.qk_head_dim + shape.qk_pos_emb_head_dim
+    query = h * n * qk if shape.q_lora_rank is None else h * shape.q_lora_rank + shape.q_lora_rank * n * qk
+    kv = h * (shape.kv_lora_rank + shape.qk_pos_emb_head_dim) + shape.kv_lora_rank * n * (
+        shape.qk_head_dim + shape.v_head_dim
+    )
+    return query + kv + n * shape.v_head_dim * h
+
+
+def _pair_macs(shape: ModelShape) -> int:
+    """Multiply-adds of QK^T plus AV for one (query, key) pair of one layer, all heads."""
+    if shape.multi_latent_attention:
+        n = shape.num_attention_heads
+        return n * (shape.qk_head_dim + shape.qk_pos_emb_head_dim + shape.v_head_dim)
+    return 2 * shape.kv_channels * shape.num_attention_heads
+
+
 def _core_attention_forward(shape: ModelShape, squared: int, left: int, right: int) -> int:
-    """Forward FLOPs of QK^T and AV over all layers: 4 * q per attended (query, key) pair.
+    """Forward FLOPs of QK^T and AV over all layers: 2 x `_pair_macs` per attended pair.
 
     Sliding-window layers drop the `left`/`right` pairs outside the window; full-attention layers
     (per `window_attn_skip_freq`) do not. MTP layers follow the last decoder layer's kind.
     """
-    q = shape.kv_channels * shape.num_attention_heads
+    macs = _pair_macs(shape)
     pattern = shape.window_layer_pattern
     windowed = sum(pattern) + (shape.mtp_num_layers if pattern[-1] else 0)
-    full = shape.num_layers + shape.mtp_num_layers - windowed
+    full = shape.num_layers + shape.mtp_num_layers - windowed - shape.linear_layers
+    if shape.hybrid_pattern is not None:
+        windowed, full = 0, parse_hybrid_pattern(shape.hybrid_pattern).counts["attention"]
     if shape.causal:
-        # s^2/2 pairs per document, minus those left of the window: 4q * (Σs²/2 - L) = 2q * (Σs² - 2L).
-        return 2 * q * (full * squared + windowed * (squared - 2 * left))
-    return 4 * q * (full * squared + windowed * (squared - left - right))
+        # s^2/2 pairs per document, minus those left of the window: 2m * (Σs²/2 - L) = m * (Σs² - 2L).
+        return macs * (full * squared + windowed * (squared - 2 * left))
+    return 2 * macs * (full * squared + windowed * (squared - left - right))
 
 
-def _terms(shape: ModelShape, tokens: int, squared: int, left: int, right: int) -> dict[str, int]:
+def _terms(
+    shape: ModelShape, tokens: int, squared: int, left: int, right: int, adapter: LoraAdapter | None
+) -> dict[str, int]:
     """Forward FLOPs of each term for the given sums."""
     forward = {name: per_token * tokens for name, per_token in _per_token_forward(shape).items()}
+    forward["adapter"] = 2 * adapter_macs_per_token(shape, adapter) * tokens if adapter is not None else 0
     forward["core_attention"] = _core_attention_forward(shape, squared, left, right)
     return {name: forward[name] for name in TERMS}
 
 
-def training_flops(shape: ModelShape, stats: SeqlenStats, *, recompute: str | None = None) -> FlopsBreakdown:
+def training_flops(
+    shape: ModelShape,
+    stats: SeqlenStats,
+    *,
+    recompute: str | None = None,
+    frozen_base: bool = False,
+    adapter: LoraAdapter | None = None,
+) -> FlopsBreakdown:
     """Forward + backward FLOPs of one global batch (reads the stats back: one sync per call).
 
     `recompute="full"` adds to the hardware count the forward of every transformer layer term
     (all but logits); `"selective"` adds the core-attention forward only (megatron's selective
-    recomputation). Model FLOPs never include recomputation.
+    recomputation). Model FLOPs never include recomputation. Statistics that count malformed
+    boundary rows raise ValueError: their sums are wrong.
+
+    `frozen_base=True` (adapter fine-tuning): the base's weights get their forward and
+    data-gradient GEMMs but no weight-gradient GEMM, so every weight term counts 2x its forward
+    instead of 3x; core attention has no weights and keeps 3x. `adapter` (a `LoraAdapter`) adds
+    the `adapter` term, trainable, 3x its forward.
     """
-    if not isinstance(shape, ModelShape):
-        raise ValueError(f"training_flops: shape must be a ModelShape, got {type(shape).__name__}")
     if not isinstance(stats, SeqlenStats):
         raise ValueError(
             f"training_flops: stats must be a SeqlenStats (from seqlen_stats or SeqlenStats.dense), "
             f"got {type(stats).__name__}"
         )
+    _check_call(shape, stats.window, recompute)
+    return flops_from_sums(
+        shape,
+        stats.to_dict(),
+        window=stats.window,
+        recompute=recompute,
+        frozen_base=frozen_base,
+        adapter=adapter,
+    )
+
+
+def _check_call(shape: ModelShape, window: tuple[int, int] | None, recompute: str | None) -> None:
+    if not isinstance(shape, ModelShape):
+        raise ValueError(f"training_flops: shape must be a ModelShape, got {type(shape).__name__}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute = {recompute!r}: expected one of {RECOMPUTE}")
-    if shape.window_size is not None and stats.window != shape.window_size:
+    if shape.window_size is not None and window != shape.window_size:
         raise ValueError(
             f"shape.window_size = {shape.window_size} but the stats were computed for window "
-            f"{stats.window}: pass window_size={shape.window_size} to seqlen_stats / FlopsAccumulator"
+            f"{window}: pass window_size={shape.window_size} to seqlen_stats / FlopsAccumulator"
         )
-    v = stats.to_dict()
+
+
+def flops_from_sums(
+    shape: ModelShape,
+    sums: dict[str, int],
+    *,
+    window: tuple[int, int] | None = None,
+    recompute: str | None = None,
+    frozen_base: bool = False,
+    adapter: LoraAdapter | None = None,
+) -> FlopsBreakdown:
+    """`training_flops` from sums already read back (`SeqlenStats.to_dict()`): no tensor read at all."""
+    _check_call(shape, window, recompute)
+    if not isinstance(frozen_base, bool):
+        raise ValueError(f"frozen_base = {frozen_base!r} must be a bool")
+    if adapter is not None and not isinstance(adapter, LoraAdapter):
+        raise ValueError(f"adapter must be a LoraAdapter or None, got {type(adapter).__name__}")
+    v = dict(sums)
+    if v.get("malformed_rows"):
+        raise ValueError(
+            f"training_flops: the statistics count {describe_malformed(v)}; validate_cu_seqlens(...) names "
+            "the index"
+        )
     if shape.window_size is None:
         v["beyond_left"] = v["beyond_right"] = v["padded_beyond_left"] = v["padded_beyond_right"] = 0
-    model_fwd = _terms(shape, v["tokens"], v["squared"], v["beyond_left"], v["beyond_right"])
+    model_fwd = _terms(shape, v["tokens"], v["squared"], v["beyond_left"], v["beyond_right"], adapter)
     hw_fwd = _terms(
-        shape, v["padded_tokens"], v["padded_squared"], v["padded_beyond_left"], v["padded_beyond_right"]
+        shape,
+        v["padded_tokens"],
+        v["padded_squared"],
+        v["padded_beyond_left"],
+        v["padded_beyond_right"],
+        adapter,
     )
-    terms = {name: 3 * value for name, value in model_fwd.items()}
-    hardware_terms = {name: 3 * value for name, value in hw_fwd.items()}
+    # Forward + data gradient + weight gradient; a frozen weight has no weight gradient.
+    factor = {name: 2 if frozen_base and name not in _WEIGHTLESS else 3 for name in TERMS}
+    terms = {name: factor[name] * value for name, value in model_fwd.items()}
+    hardware_terms = {name: factor[name] * value for name, value in hw_fwd.items()}
     if recompute == "full":
         for name in TERMS:
             if name != "logits":

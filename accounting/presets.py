@@ -7,9 +7,10 @@ presets reproduce them to 3 significant figures (an independent oracle, see unit
 
 from __future__ import annotations
 
+from accounting.adapters import LoraAdapter
 from accounting.flops import ModelShape
 
-__all__ = ["PRESETS", "REFERENCE_TOTALS", "preset"]
+__all__ = ["PRESETS", "PRESET_ADAPTERS", "REFERENCE_TOTALS", "preset", "preset_adapter"]
 
 PRESETS: dict[str, ModelShape] = {
     # GPT-3 175B: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (96 layers,
@@ -73,7 +74,85 @@ PRESETS: dict[str, ModelShape] = {
         moe_router_topk=8,
         moe_ffn_hidden_size=1536,
     ),
+    # DeepSeek-V3: deepseek-ai/DeepSeek-V3 config.json (61 layers, hidden 7168, 128 heads, MLA with
+    # q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128;
+    # first_k_dense_replace 3 dense layers of intermediate 18432, then MoE: 256 routed experts, 8 per
+    # token, moe_intermediate_size 2048, n_shared_experts 1 (one expert's width: 2048); SwiGLU;
+    # num_nextn_predict_layers 1 MTP depth; vocab 129280). Arxiv 2412.19437 Table/§4.2 agrees.
+    "deepseek-v3": ModelShape(
+        num_layers=61,
+        hidden_size=7168,
+        ffn_hidden_size=18432,
+        num_attention_heads=128,
+        vocab_size=129280,
+        gated_linear_unit=True,
+        num_moe_experts=256,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=2048,
+        moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=(0,) * 3 + (1,) * 58,
+        mtp_num_layers=1,
+        multi_latent_attention=True,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_head_dim=128,
+        qk_pos_emb_head_dim=64,
+        v_head_dim=128,
+    ),
+    # Nemotron-H 8B: Megatron-Bridge docs/models/llm/nemotronh.md "Nemotron H 8B Specifications" and
+    # nvidia/Nemotron-H-8B-Base-8K config.json (52 layers in the pattern below: 24 Mamba-2, 4
+    # attention, 24 MLP; hidden 4096, FFN 21504 squared-ReLU (not gated), 32 heads, 8 KV groups,
+    # head dim 128; Mamba: 128 heads x 64, state 128, 8 groups; vocab 131072).
+    "nemotron-h-8b": ModelShape(
+        num_layers=52,
+        hidden_size=4096,
+        ffn_hidden_size=21504,
+        num_attention_heads=32,
+        num_query_groups=8,
+        kv_channels=128,
+        vocab_size=131072,
+        hybrid_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        mamba_num_heads=128,
+        mamba_head_dim=64,
+        mamba_state_dim=128,
+        mamba_num_groups=8,
+    ),
+    # Qwen3-Next-80B-A3B: Qwen/Qwen3-Next-80B-A3B-Instruct config.json (48 layers, hidden 2048;
+    # full_attention_interval 4: every 4th layer gated softmax attention (16 heads, 2 KV heads,
+    # head_dim 256, attention output gate), the others gated DeltaNet (16 key heads, 32 value
+    # heads, head dims 128, conv 4); every layer MoE: 512 experts, 10 routed, moe_intermediate_size
+    # 512, one shared expert of 512; SwiGLU; vocab 151936; one MTP depth).
+    "qwen3-next-80b-a3b": ModelShape(
+        num_layers=48,
+        hidden_size=2048,
+        ffn_hidden_size=5120,
+        num_attention_heads=16,
+        num_query_groups=2,
+        kv_channels=256,
+        vocab_size=151936,
+        gated_linear_unit=True,
+        attention_output_gate=True,
+        num_moe_experts=512,
+        moe_router_topk=10,
+        moe_ffn_hidden_size=512,
+        moe_shared_expert_intermediate_size=512,
+        mtp_num_layers=1,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_conv_kernel_dim=4,
+    ),
 }
+# LoRA on a frozen Llama 3 70B: the shape of "llama3-70b"; the adapter is Megatron-Bridge's PEFT
+# guide example (docs/training/peft.md: LoRA(target_modules=["linear_qkv", "linear_proj",
+# "linear_fc1", "linear_fc2"], dim=16, alpha=32)).
+PRESETS["llama3-70b-lora"] = PRESETS["llama3-70b"]
+
+# Presets trained as adapters on a frozen base: `training_flops(..., frozen_base=True, adapter=...)`.
+PRESET_ADAPTERS: dict[str, LoraAdapter] = {"llama3-70b-lora": LoraAdapter(rank=16)}
 
 # (preset, sequence length) -> FLOPs of one sequence, as pinned by Megatron-Bridge's
 # tests/functional_tests/test_groups/utils/test_flop_utils.py (3 significant figures).
@@ -91,3 +170,9 @@ def preset(name: str) -> ModelShape:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r} (known: {', '.join(sorted(PRESETS))})") from None
+
+
+def preset_adapter(name: str) -> LoraAdapter | None:
+    """The adapter a preset trains on its frozen base, or None for a fully trained preset."""
+    preset(name)
+    return PRESET_ADAPTERS.get(name)

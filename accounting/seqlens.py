@@ -19,9 +19,33 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["SeqlenStats", "normalize_window", "seqlen_stats", "seqlen_stats_vector", "validate_cu_seqlens"]
+__all__ = [
+    "MALFORMED",
+    "SeqlenStats",
+    "describe_malformed",
+    "normalize_window",
+    "seqlen_stats",
+    "seqlen_stats_vector",
+    "validate_cu_seqlens",
+]
 
 Window = tuple[int, int]
+
+# What makes a row of boundaries malformed, by the name of its `SeqlenStats.malformed_<kind>`
+# counter, with the words an error message uses. The sync-free statistics count the rows of each
+# kind (and `malformed_rows` those with any) so that whoever reads the vector anyway can refuse it.
+MALFORMED: dict[str, str] = {
+    "first": "a first boundary that is not 0",
+    "order": (
+        "a boundary smaller than the one before it, or a negative one other than a -1 padding tail "
+        "that runs to the end of the row"
+    ),
+    "beyond_pack": "more tokens than the pack length (pack_len / seq_len)",
+    "longer_than_padded": "a real segment longer than its padded segment in cu_seqlens_padded",
+    "int64": "row token totals whose squares sum to 2**63 or more (the int64 sums of s² could wrap)",
+}
+# Σ over rows of (row token total)², an upper bound of Σs², at or past this may wrap an int64 sum.
+_INT64_LIMIT = float(2**63)
 
 
 def normalize_window(window_size: int | tuple[int, int] | list[int] | None) -> Window | None:
@@ -74,7 +98,9 @@ class SeqlenStats:
     fields count what the kernels execute: `padded_tokens` is every token slot the linear layers
     see (the whole pack when its length is known), `padded_squared` sums the squared padded
     segment lengths the attention kernel runs over. `beyond_left`/`beyond_right` count pairs outside
-    `window` (zero when `window` is None).
+    `window` (zero when `window` is None). `malformed_rows` counts the boundary rows that are
+    malformed (see `MALFORMED`), `malformed_<kind>` the rows of each kind: the sums of a batch
+    with any are wrong, and `training_flops` / `FlopsAccumulator.step` refuse them.
     """
 
     num_sequences: torch.Tensor
@@ -86,6 +112,12 @@ class SeqlenStats:
     beyond_right: torch.Tensor
     padded_beyond_left: torch.Tensor
     padded_beyond_right: torch.Tensor
+    malformed_rows: torch.Tensor
+    malformed_first: torch.Tensor
+    malformed_order: torch.Tensor
+    malformed_beyond_pack: torch.Tensor
+    malformed_longer_than_padded: torch.Tensor
+    malformed_int64: torch.Tensor
     window: Window | None = None
 
     @classmethod
@@ -106,7 +138,13 @@ class SeqlenStats:
         right = _int_python_pairs_beyond(seq_len, window[1]) if window else 0
         num = batch if seq_len > 0 else 0
         values = (num, batch * seq_len, batch * seq_len * seq_len)
-        return cls._from_ints(values + values[1:] + (batch * left, batch * right) * 2, window)
+        malformed = (0,) * (1 + len(MALFORMED))
+        if batch * seq_len * seq_len >= 2**63:
+            raise ValueError(
+                f"SeqlenStats.dense: batch * seq_len**2 = {batch * seq_len * seq_len} >= 2**63 is past the "
+                "exact int64 sums"
+            )
+        return cls._from_ints(values + values[1:] + (batch * left, batch * right) * 2 + malformed, window)
 
     @classmethod
     def zeros(cls, *, window_size: int | tuple[int, int] | None = None, device=None) -> SeqlenStats:
@@ -147,9 +185,23 @@ class SeqlenStats:
         """Every sum multiplied by `factor` (dense data parallelism: identical shapes on each rank)."""
         return SeqlenStats(*(getattr(self, n) * factor for n in self.field_names()), window=self.window)
 
+    def malformed(self) -> dict[str, int]:
+        """The malformed-row counters by kind (`MALFORMED` keys) that are not zero (reads them back)."""
+        values = self.to_dict()
+        return {kind: values[f"malformed_{kind}"] for kind in MALFORMED if values[f"malformed_{kind}"]}
+
     def to_dict(self) -> dict[str, int]:
         """The sums as exact Python ints (one device-to-host read for all fields)."""
         return dict(zip(self.field_names(), self.to_vector().tolist(), strict=True))
+
+
+def describe_malformed(values: dict[str, int]) -> str:
+    """One sentence on the malformed-row counters of `SeqlenStats.to_dict()` values."""
+    kinds = "; ".join(
+        f"{values[f'malformed_{k}']} with {MALFORMED[k]}" for k in MALFORMED if values[f"malformed_{k}"]
+    )
+    rows = values["malformed_rows"]
+    return f"{rows} malformed boundary row{'s' if rows != 1 else ''} ({kinds}): the sums are wrong"
 
 
 def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:
@@ -169,14 +221,21 @@ def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:
     return cu if cu.dim() == 2 else cu.unsqueeze(0)
 
 
-def _segment_lengths(rows: torch.Tensor) -> torch.Tensor:
-    """Segment lengths as int64, with either padding tail turned into zero-length segments.
+def _row_faults(bounds: torch.Tensor, running: torch.Tensor, pack_len: int | None) -> torch.Tensor:
+    """Bool `[4, ..., rows]`: first boundary not 0, out of order, beyond `pack_len`, int64 risk.
 
-    The running maximum replaces every `-1` sentinel by the last real boundary, so the tail's
-    differences are 0; a repeated-value tail is left as it is. No boolean indexing, no sync.
+    `bounds` are int64 boundaries `[..., rows, n+1]`, `running` their running maximum. A `-1` tail
+    runs to the end of the row, so out of order is a value other than -1 that is below the one
+    before it (which catches every negative value but -1) or that follows a -1. The int64 risk
+    bounds Σs² by Σ over rows of the row's token total squared (float64, never wraps). A few
+    elementwise kernels and reductions over the row: no sync.
     """
-    running = torch.cummax(rows.to(torch.int64), dim=-1).values
-    return running[..., 1:] - running[..., :-1]
+    prev, nxt = bounds[..., :-1], bounds[..., 1:]
+    order = (((nxt < prev) | (prev == -1)) & (nxt != -1)).any(-1)
+    last = running[..., -1]
+    beyond = last > pack_len if pack_len is not None else torch.zeros_like(order)
+    wraps = last.double().square().cumsum(-1) >= _INT64_LIMIT
+    return torch.stack([bounds[..., 0] != 0, order, beyond, wraps])
 
 
 def seqlen_stats(
@@ -192,7 +251,8 @@ def seqlen_stats(
     ones the attention kernel runs over (TE's `cu_seqlens_q_padded`), defaulting to the real ones.
     `pack_len`, when given, is the token length of each row as the linear layers see it; then
     `padded_tokens = rows * pack_len` (trailing slots after the last document included).
-    Malformed input is not detected here: call `validate_cu_seqlens` in debug mode.
+    Malformed rows are counted (`malformed_rows` and one counter per `MALFORMED` kind), not
+    raised: raising would need a sync. `validate_cu_seqlens` says where, in debug mode.
     """
     window = normalize_window(window_size)
     vec = seqlen_stats_vector(cu_seqlens, cu_seqlens_padded, window=window, pack_len=pack_len)
@@ -207,33 +267,47 @@ def seqlen_stats_vector(
     pack_len: int | None = None,
 ) -> torch.Tensor:
     """`seqlen_stats` as one int64 vector in `SeqlenStats.field_names()` order (few kernels, no sync)."""
+    if pack_len is not None and (isinstance(pack_len, bool) or not isinstance(pack_len, int) or pack_len < 0):
+        raise ValueError(f"pack_len = {pack_len!r} must be an int >= 0")
     rows = _as_rows(cu_seqlens, "cu_seqlens")
-    real = _segment_lengths(rows)
     if cu_seqlens_padded is None:
-        padded = real
+        bounds = rows.to(torch.int64).unsqueeze(0)
     else:
         padded_rows = _as_rows(cu_seqlens_padded, "cu_seqlens_padded")
-        if padded_rows.shape[0] != real.shape[0]:
+        if padded_rows.shape[0] != rows.shape[0]:
             raise ValueError(
-                f"cu_seqlens_padded has {padded_rows.shape[0]} rows but cu_seqlens has {real.shape[0]}"
+                f"cu_seqlens_padded has {padded_rows.shape[0]} rows but cu_seqlens has {rows.shape[0]}"
             )
         if padded_rows.shape != rows.shape:
             raise ValueError(
                 f"cu_seqlens_padded has shape {list(cu_seqlens_padded.shape)} but cu_seqlens has shape "
                 f"{list(cu_seqlens.shape)}: they must describe the same segments"
             )
-        padded = _segment_lengths(padded_rows).to(real.device)
-    features = [(real > 0).to(torch.int64), real, real * real, padded, padded * padded]
+        padded_rows = padded_rows.to(device=rows.device, dtype=torch.int64)
+        bounds = torch.stack([rows.to(torch.int64), padded_rows])
+    # Real and padded boundaries go through every kernel together: int64 [1 or 2, rows, n+1].
+    running = torch.cummax(bounds, dim=-1).values
+    lengths = running[..., 1:] - running[..., :-1]
+    real, padded = lengths[0], lengths[-1]
+    faults = _row_faults(bounds, running, pack_len).any(1)  # [4, rows]: either boundary set
+    if cu_seqlens_padded is None:
+        longer = torch.zeros_like(faults[:1])
+    else:
+        longer = (real > padded).any(-1, keepdim=True).T
+    flags = torch.cat([faults[:3], longer, faults[3:]])  # [kind, row] in MALFORMED order
+    malformed = torch.cat([flags.any(0, keepdim=True), flags]).sum(-1)
+    # Segment lengths come from the running maximum, which replaces every `-1` sentinel by the
+    # last real boundary, so the tail's differences are 0 (a repeated-value tail is already 0).
+    squares = lengths * lengths
+    features = [(real > 0).to(torch.int64), real, squares[0], padded, squares[-1]]
     if window is not None:
         left, right = window
         features += [_beyond(real, left), _beyond(real, right), _beyond(padded, left), _beyond(padded, right)]
     # One reduction over all features instead of one kernel (and one tensor) per field.
     vec = torch.stack(features).flatten(1).sum(-1)
-    if window is None:
-        vec = torch.cat([vec, vec.new_zeros(4)])
+    no_window = [vec.new_zeros(4)] if window is None else []
+    vec = torch.cat([vec, *no_window, malformed])
     if pack_len is not None:
-        if isinstance(pack_len, bool) or not isinstance(pack_len, int) or pack_len < 0:
-            raise ValueError(f"pack_len = {pack_len!r} must be an int >= 0")
         # An in-place fill, not a host-to-device copy: stays sync-free on CUDA.
         vec[3].fill_(real.shape[0] * pack_len)
     return vec
@@ -283,6 +357,18 @@ def _check_rows(cu: torch.Tensor, name: str, pack_len: int | None) -> list[list[
     return resolved
 
 
+def _check_squares(rows: list[list[int]], name: str, two_d: bool) -> None:
+    """Raises where Σ over rows of (row token total)², the bound of Σs², reaches 2^63."""
+    total = 0
+    for r, row in enumerate(rows):
+        total += row[-1] * row[-1]
+        if total >= 2**63:
+            where = f"row {r} of {name}" if two_d else name
+            raise ValueError(
+                f"{where}: the squared row token totals sum to {total} >= 2**63: the int64 sums of s² could wrap"
+            )
+
+
 def validate_cu_seqlens(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor | None = None,
@@ -292,13 +378,15 @@ def validate_cu_seqlens(
     """Raises ValueError saying what is wrong and where; syncs (debug mode and tests only).
 
     Checks: integer dtype, 1-D or 2-D, first boundary 0, no negative value except a `-1` tail
-    that runs to the end, no decrease before the tail, last boundary within `pack_len`, and for
-    `cu_seqlens_padded`: same shape, and no real document longer than its padded segment.
+    that runs to the end, no decrease before the tail, last boundary within `pack_len`, squared
+    row totals (a bound of Σs²) summing below 2^63, and for `cu_seqlens_padded`: same shape, and no real document longer than its padded segment.
     """
     real = _check_rows(cu_seqlens, "cu_seqlens", pack_len)
+    _check_squares(real, "cu_seqlens", cu_seqlens.dim() == 2)
     if cu_seqlens_padded is None:
         return
     padded = _check_rows(cu_seqlens_padded, "cu_seqlens_padded", pack_len)
+    _check_squares(padded, "cu_seqlens_padded", cu_seqlens.dim() == 2)
     if tuple(cu_seqlens_padded.shape) != tuple(cu_seqlens.shape):
         raise ValueError(
             f"cu_seqlens_padded has shape {list(cu_seqlens_padded.shape)} but cu_seqlens has shape "

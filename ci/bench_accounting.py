@@ -10,6 +10,10 @@ Run: `.venv/bin/python ci/bench_accounting.py [--repeat N] [--rows R]`. For pack
 (`meta` tensors prove sync-freedom in the unit tests but are no timing baseline: their shape
 kernels run much slower than real CPU kernels.)
 
+Timings are the minimum of 5 runs (a shared, loaded machine only ever adds time); the `ops` column
+counts the torch calls one `add_microbatch` makes (counted with a TorchFunctionMode), a figure that
+load does not move. To compare two trees, run the script with `PYTHONPATH=<other tree>`.
+
 On a GPU the syncing version would also stall the CPU until the device catches up, every
 microbatch; that cost is not shown here. This is a benchmark, not a timed test.
 """
@@ -21,6 +25,7 @@ import time
 
 import torch
 
+import accounting
 from accounting import FlopsAccumulator
 
 
@@ -47,15 +52,33 @@ def make_pack(docs: int, rows: int, pack_len: int = 8192 * 8) -> torch.Tensor:
 
 
 def per_call_us(fn, repeat: int) -> float:
-    """Median-of-3 mean time per call, in microseconds."""
+    """Min-of-5 mean time per call, in microseconds."""
     fn()  # warm-up
     runs = []
-    for _ in range(3):
+    for _ in range(5):
         start = time.perf_counter()
         for _ in range(repeat):
             fn()
         runs.append((time.perf_counter() - start) / repeat * 1e6)
-    return sorted(runs)[1]
+    return min(runs)
+
+
+class _CountOps(torch.overrides.TorchFunctionMode):
+    """Counts the torch functions and tensor methods called inside the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_call(fn) -> int:
+    with _CountOps() as counter:
+        fn()
+    return counter.count
 
 
 def main() -> None:
@@ -67,10 +90,12 @@ def main() -> None:
     print(
         f"add_microbatch per call, 2-D cu_seqlens [{args.rows}, docs+3], int32, -1 tail; torch {torch.__version__}"
     )
-    print(f"{'docs/row':>9} {'ours (us)':>10} {'tolist loop (us)':>17} {'loop/ours':>10}")
+    print(f"accounting from {accounting.__file__}")
+    print(f"{'docs/row':>9} {'ops':>5} {'ours (us)':>10} {'tolist loop (us)':>17} {'loop/ours':>10}")
     for docs in (8, 512, 8192):
         cu = make_pack(docs, args.rows)
         acc = FlopsAccumulator(packed=True)
+        ops = ops_per_call(lambda cu=cu, a=acc: a.add_microbatch(cu_seqlens=cu, seq_len=8192 * 8))
         ours = per_call_us(
             lambda cu=cu, a=acc: a.add_microbatch(cu_seqlens=cu, seq_len=8192 * 8), args.repeat
         )
@@ -80,7 +105,7 @@ def main() -> None:
         got.add_microbatch(cu_seqlens=cu)
         stats = got.resolve().to_dict()
         assert (stats["num_sequences"], stats["tokens"], stats["squared"]) == expected, (stats, expected)
-        print(f"{docs:>9} {ours:>10.1f} {loop:>17.1f} {loop / ours:>10.1f}")
+        print(f"{docs:>9} {ops:>5} {ours:>10.1f} {loop:>17.1f} {loop / ours:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ then builds tensors from it.
   ("sentinel" -1 tail or "repeat" repeated last value), int32/int64, 1-D or 2-D, ragged rows.
   `Pack.cu_seqlens(form=..., dtype=...)` renders the same pack in any form, so invariance
   properties compare renderings of one drawn pack.
+- `raw_boundaries()` draws boundary rows that may be malformed (a valid pack with entries
+  overwritten by arbitrary small ints), with or without padded rows and a pack length.
 - `model_shapes()` draws valid `ModelShape`s (MHA/GQA, gated or not, MoE with shared experts and
   int or list `moe_layer_freq`, MTP, windows with int or list `window_attn_skip_freq`, causal or not); `dense_megatron_shapes()` only those
   Megatron-LM's formula covers without a window.
@@ -36,6 +38,7 @@ __all__ = [
     "model_shapes",
     "packs",
     "rank_memory_reports",
+    "raw_boundaries",
     "windows",
 ]
 
@@ -140,6 +143,34 @@ def packs(
         dtype=draw(st.sampled_from(DTYPES)),
         two_d=two_d,
     )
+
+
+@dataclass(frozen=True)
+class RawBoundaries:
+    """Boundary rows as plain lists, possibly malformed, plus optional padded rows and pack length."""
+
+    rows: list[list[int]]
+    padded: list[list[int]] | None
+    pack_len: int | None
+
+
+@st.composite
+def raw_boundaries(draw, *, max_rows: int = 3) -> RawBoundaries:
+    """A drawn pack whose entries are then overwritten at random by ints in [-3, 40]."""
+    pack = draw(packs(two_d=True, max_rows=max_rows, max_docs=4, max_len=12))
+    value = st.integers(-3, 40)
+
+    def corrupt(rows: list[list[int]]) -> list[list[int]]:
+        out = [list(row) for row in rows]
+        for _ in range(draw(st.integers(0, 2))):
+            r = draw(st.integers(0, len(out) - 1))
+            out[r][draw(st.integers(0, len(out[r]) - 1))] = draw(value)
+        return out
+
+    rows = corrupt(pack.cu_seqlens().tolist())
+    padded = corrupt(pack.cu_seqlens_padded().tolist()) if draw(st.booleans()) else None
+    pack_len = draw(st.one_of(st.none(), st.just(pack.pack_len), st.integers(0, 40)))
+    return RawBoundaries(rows=rows, padded=padded, pack_len=pack_len)
 
 
 def windows(*, bounded: bool = False) -> st.SearchStrategy:

@@ -217,3 +217,87 @@ def test_recompute_configured_at_construction_reaches_hardware_flops():
     acc.step(SHAPE)
     plain = training_flops(SHAPE, SeqlenStats.dense(1, 8))
     assert acc.hardware_total_flops > plain.hardware_total == acc.total_flops
+
+
+# ---------------------------------------------------------------- malformed input: counted sync-free, raised at step
+
+
+class CallLog(torch.overrides.TorchFunctionMode):
+    """Every torch function and tensor method called inside the mode, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+SYNCS = {"item", "tolist", "cpu", "__bool__", "__float__", "__int__", "__index__", "numpy", "nonzero"}
+
+
+@pytest.mark.parametrize(
+    ("cu", "seq_len", "what"),
+    [
+        ([0, 5, 3, 8], None, "a boundary smaller than the one before it"),
+        ([5, 10], None, "a first boundary that is not 0"),
+        ([0, 5, -1, 8], None, "a boundary smaller than the one before it, or a negative one other than a -1"),
+        ([0, 4, 8], 4, "more tokens than the pack length"),
+    ],
+)
+def test_step_names_the_malformed_microbatch_and_what_is_wrong(cu, seq_len, what):
+    acc = FlopsAccumulator(packed=True)
+    acc.add_microbatch(cu_seqlens=torch.tensor([0, 4, 8]))
+    acc.add_microbatch(cu_seqlens=torch.tensor([0, 3]), vp_stage=1)  # a VPP repeat: not counted
+    acc.add_microbatch(cu_seqlens=torch.tensor(cu), seq_len=seq_len)
+    with pytest.raises(
+        ValueError, match=rf"^FlopsAccumulator\.step: microbatch 1 has 1 malformed row \({what}"
+    ):
+        acc.step(SHAPE)
+    # The step is discarded: nothing counted, the microbatch state reset for the next step.
+    assert acc.state_dict() == dict.fromkeys(acc.state_dict(), 0) and acc.num_microbatches == 0
+    acc.add_microbatch(cu_seqlens=torch.tensor([0, 4, 8]))
+    assert acc.step(SHAPE) == training_flops(SHAPE, seqlen_stats(torch.tensor([0, 4, 8]))).total
+
+
+def test_a_wrapped_int64_sum_is_refused_at_step():
+    acc = FlopsAccumulator(packed=True)
+    acc.add_microbatch(cu_seqlens=torch.tensor([0, 2**32, 2**33]))
+    with pytest.raises(ValueError, match=r"microbatch 0 has 1 malformed row .*could wrap"):
+        acc.step(SHAPE)
+
+
+def test_validate_mode_still_names_the_index_as_the_microbatch_is_added():
+    acc = FlopsAccumulator(packed=True, validate=True)
+    with pytest.raises(ValueError, match=r"^cu_seqlens\[2\] = 3 is smaller than cu_seqlens\[1\] = 5"):
+        acc.add_microbatch(cu_seqlens=torch.tensor([0, 5, 3, 8]))
+
+
+def test_malformed_statistics_are_refused_by_training_flops_too():
+    with pytest.raises(ValueError, match=r"^training_flops: the statistics count 1 malformed boundary row"):
+        training_flops(SHAPE, seqlen_stats(torch.tensor([5, 10])))
+
+
+def test_add_microbatch_calls_no_syncing_function_even_on_malformed_input():
+    acc = FlopsAccumulator(packed=True, window_size=3)
+    with CallLog() as log:
+        acc.add_microbatch(cu_seqlens=torch.tensor([[0, 4, 9, -1], [0, 5, 3, 8]]), seq_len=9)
+        acc.add_microbatch(cu_seqlens=torch.tensor([0, 4]), cu_seqlens_padded=torch.tensor([0, 6]), seq_len=9)
+    assert log.calls and not [c for c in log.calls if c in SYNCS]
+
+
+def test_step_reads_the_statistics_back_exactly_once():
+    acc = FlopsAccumulator(packed=True)
+    for _ in range(3):
+        acc.add_microbatch(cu_seqlens=torch.tensor([0, 4, 9, 9]), seq_len=12)
+    with CallLog() as log:
+        acc.step(SHAPE)
+    assert [c for c in log.calls if c in SYNCS] == ["tolist"]
+
+
+@given(packs())
+def test_malformed_counters_ride_the_meta_vector_without_a_read(pack):
+    acc = FlopsAccumulator(packed=True, device="meta")
+    acc.add_microbatch(cu_seqlens=pack.cu_seqlens(device="meta"), seq_len=1)  # likely beyond the pack
+    assert acc.local_stats().malformed_rows.is_meta

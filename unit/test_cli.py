@@ -73,6 +73,17 @@ BAD_ARGUMENTS = [
     (("flops", "--preset", "llama3-8b"), "give --docs, --cu-seqlens or --seq-len"),
     (("flops", "--preset", "llama3-8b", "--docs", "4", "--cu-seqlens", "0,4"), "not allowed with argument"),
     (("frobnicate",), "invalid choice"),
+    # Out-of-range numbers: one line, never a traceback (int64 overflow used to escape as one).
+    (("flops", "--preset", "llama3-8b", "--docs", "4000000000"), "--docs: 4000000000 tokens in one pack"),
+    (("flops", "--preset", "llama3-8b", "--docs", "2000000000,2000000000"), "--docs: 4000000000 tokens"),
+    (("flops", "--preset", "llama3-8b", "--docs", str(2**63)), "is out of range"),
+    (("flops", "--preset", "llama3-8b", "--docs", f"{2**62},{2**62}"), "--docs: the total"),
+    (("flops", "--preset", "llama3-8b", "--seq-len", "-3"), "--seq-len -3 is out of range"),
+    (("flops", "--preset", "llama3-8b", "--seq-len", "4000000000"), "--seq-len: 4000000000 tokens"),
+    (("flops", "--preset", "llama3-8b", "--cu-seqlens", f"0,{2**63}"), "--cu-seqlens 9223372036854775808"),
+    (("flops", "--preset", "llama3-8b", "--cu-seqlens", "0,-7"), "--cu-seqlens -7 (entry 1) is out of range"),
+    (("flops", "--preset", "llama3-8b", "--docs", "@/nonexistent/lengths.txt"), "cannot read"),
+    (("flops", "--preset", "llama3-8b", "--docs", ""), "no document length given"),
     ((), "required"),
 ]
 
@@ -109,3 +120,46 @@ def test_importing_accounting_pulls_in_neither_pytest_nor_fixtures_nor_megatron(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_docs_from_a_file_and_from_stdin_take_lists_past_the_argument_size_limit(tmp_path):
+    lengths = [1 + (i * 7919) % 300 for i in range(100_000)]  # ~690 KiB of text: over one argument's 128 KiB
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(f"{d}," if i % 3 else str(d) for i, d in enumerate(lengths)))
+    from_file = run_cli("flops", "--preset", "llama3-8b", "--docs", f"@{path}", "--json")
+    from_stdin = subprocess.run(
+        [sys.executable, "-m", "accounting", "flops", "--preset", "llama3-8b", "--docs", "-", "--json"],
+        input=" ".join(map(str, lengths)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    for result in (from_file, from_stdin):
+        assert result.returncode == 0, result.stderr
+        data = json.loads(result.stdout)
+        assert data["num_documents"] == 100_000 and data["tokens"] == sum(lengths)
+        assert data["model_flops"] == llama3_8b_flops(lengths, sum(lengths))[0]
+
+
+def test_an_empty_pack_is_the_same_from_seq_len_0_and_cu_seqlens_0(capsys):
+    from accounting.cli import main
+
+    outputs = []
+    for args in (["--seq-len", "0"], ["--cu-seqlens", "0"]):
+        assert main(["flops", "--preset", "llama3-8b", "--json", *args]) == 0
+        outputs.append(json.loads(capsys.readouterr().out))
+    assert outputs[0] == outputs[1]
+    assert (outputs[0]["model_flops"], outputs[0]["tokens"], outputs[0]["num_documents"]) == (0, 0, 0)
+
+
+def test_a_pack_whose_dense_equivalent_is_past_int64_still_gets_its_exact_count(capsys):
+    # The documents' sums fit int64; the dense pack_len² = 1.6e19 does not, yet is exact here.
+    from accounting.cli import main
+
+    args = ["flops", "--preset", "llama3-8b", "--docs", "1000,3000", "--seq-len", "4000000000", "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model_flops"] == llama3_8b_flops([1000, 3000], 4 * 10**9)[0]
+    assert data["hardware_flops"] == llama3_8b_flops([1000, 3000], 4 * 10**9)[1]
+    assert data["dense_pack_flops"] == llama3_8b_flops([4 * 10**9], 4 * 10**9)[0]

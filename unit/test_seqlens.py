@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting import SeqlenStats, seqlen_stats, validate_cu_seqlens
-from unit.strategies import DTYPES, FORMS, packs, windows
+from unit.strategies import DTYPES, FORMS, packs, raw_boundaries, windows
 
 pytestmark = pytest.mark.L0
 
@@ -289,3 +289,93 @@ def test_adding_stats_of_different_windows_is_refused():
     a = SeqlenStats.dense(1, 4, window_size=2)
     with pytest.raises(ValueError, match="windows"):
         a + SeqlenStats.dense(1, 4)
+
+
+# ---------------------------------------------------------------- malformed rows, counted sync-free
+
+
+def _row_is_rejected(row, padded_row, pack_len) -> int:
+    try:
+        validate_cu_seqlens(
+            torch.tensor(row), None if padded_row is None else torch.tensor(padded_row), pack_len=pack_len
+        )
+    except ValueError:
+        return 1
+    return 0
+
+
+@given(packs(), st.booleans())
+def test_valid_packs_count_no_malformed_row_in_every_form_and_dtype(pack, with_pack_len):
+    pack_len = pack.pack_len if with_pack_len else None
+    for form in FORMS:
+        for dtype in DTYPES:
+            cu = pack.cu_seqlens(form=form, dtype=dtype)
+            stats = seqlen_stats(cu, pack.cu_seqlens_padded(form=form, dtype=dtype), pack_len=pack_len)
+            assert stats.malformed() == {} and int(stats.malformed_rows) == 0
+
+
+@given(raw_boundaries())
+def test_malformed_row_count_equals_the_rows_the_syncing_validation_rejects(raw):
+    # The oracle is validate_cu_seqlens, a Python loop over each row on its own.
+    padded = raw.padded or [None] * len(raw.rows)
+    expected = sum(_row_is_rejected(r, p, raw.pack_len) for r, p in zip(raw.rows, padded, strict=True))
+    stats = seqlen_stats(
+        torch.tensor(raw.rows),
+        None if raw.padded is None else torch.tensor(raw.padded),
+        pack_len=raw.pack_len,
+    )
+    assert int(stats.malformed_rows) == expected
+    counts = stats.malformed()
+    assert (sum(counts.values()) >= expected) and all(n <= expected for n in counts.values())
+
+
+@pytest.mark.parametrize(
+    ("cu", "dtype", "kwargs", "kinds"),
+    [
+        # The silently wrong answers of the issue: each is now counted as malformed.
+        ([0, 5, 3, 8], torch.int64, {}, {"order": 1}),
+        ([5, 10], torch.int64, {}, {"first": 1}),
+        ([0, 5, -1, 8], torch.int64, {}, {"order": 1}),
+        ([0, 100, 200, 300], torch.int8, {}, {"order": 1}),  # int8 wraps 200 to -56
+        ([0, 4, 8], torch.int64, {"pack_len": 4}, {"beyond_pack": 1}),
+        ([0, 3, -2], torch.int64, {}, {"order": 1}),
+        ([0, 2**32, 2 * 2**32], torch.int64, {}, {"int64": 1}),  # row total (2^33)^2 = 2^66
+    ],
+)
+def test_malformed_rows_are_counted_by_kind(cu, dtype, kwargs, kinds):
+    # int8 boundaries: built from int64 values, wrapped the way a narrowing cast wraps them.
+    tensor = torch.tensor(cu, dtype=torch.int64).to(dtype)
+    stats = seqlen_stats(tensor, **kwargs)
+    assert stats.malformed() == kinds
+    assert int(stats.malformed_rows) == 1
+    with pytest.raises(ValueError):
+        validate_cu_seqlens(tensor, **kwargs)
+
+
+def test_a_real_segment_longer_than_its_padded_one_is_counted_per_row():
+    stats = seqlen_stats(torch.tensor([[0, 2, 9], [0, 3, 4]]), torch.tensor([[0, 4, 9], [0, 3, 4]]))
+    assert stats.malformed() == {"longer_than_padded": 1} and int(stats.malformed_rows) == 1
+
+
+def test_rows_that_fit_int64_one_by_one_but_not_together_are_counted_from_where_the_sum_wraps():
+    s = 2**31  # one row of one document: s^2 = 2^62; two rows reach 2^63
+    cu = torch.tensor([[0, s], [0, s], [0, s]])
+    stats = seqlen_stats(cu)
+    assert stats.malformed() == {"int64": 2}
+    with pytest.raises(ValueError, match=r"^row 1 of cu_seqlens: the squared row token totals sum to"):
+        validate_cu_seqlens(cu)
+    assert seqlen_stats(cu[:1]).malformed() == {}  # 2^62 alone fits
+
+
+def test_malformed_counters_stay_on_meta_tensors():
+    stats = seqlen_stats(
+        torch.tensor([[0, 5, 3]], device="meta"), torch.tensor([[0, 5, 2]], device="meta"), pack_len=2
+    )
+    assert stats.malformed_rows.is_meta and stats.malformed_int64.is_meta
+
+
+def test_malformed_counters_add_and_round_trip_through_the_vector():
+    bad = seqlen_stats(torch.tensor([0, 5, 3]))
+    both = bad + bad
+    assert both.malformed() == {"order": 2}
+    assert SeqlenStats.from_vector(both.to_vector()).malformed() == {"order": 2}
