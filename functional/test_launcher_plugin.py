@@ -335,3 +335,66 @@ def test_without_kit_require_tier_untiered_tests_are_collected(pytester: pytest.
     pytester.makepyfile(test_untiered=UNTIERED)
     result = pytester.runpytest("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+def test_kit_require_gpus_turns_a_too_few_gpus_skip_into_a_failure(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.world_size(2)
+        def test_needs_two_gpus():
+            pass
+
+        @pytest.mark.gpu
+        @pytest.mark.world_size(64)
+        def test_needs_more_than_promised():
+            pass
+
+        def test_cpu():
+            pass
+        """
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, on any machine
+    plain = pytester.runpytest("-rs", "-p", "no:cacheprovider")
+    plain.assert_outcomes(passed=1, skipped=2)
+    monkeypatch.setenv("KIT_REQUIRE_GPUS", "2")
+    promised = pytester.runpytest("-rs", "-p", "no:cacheprovider")
+    # The job promised 2 GPUs and has none: the 2-GPU test fails at setup (an error, so the job
+    # is red); a test needing 64 was never promised them and still skips.
+    promised.assert_outcomes(passed=1, skipped=1, errors=1)
+    promised.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_needs_two_gpus*",
+            "needs CUDA (marked gpu); no CUDA device is visible; but KIT_REQUIRE_GPUS=2 promises 2*",
+            "*SKIPPED*needs CUDA (marked gpu); no CUDA device is visible",
+        ]
+    )
+
+
+def devices_seen(rank: int, world_size: int) -> tuple[str | None, str | None, str]:
+    from pathlib import Path
+
+    spec = json.loads(Path(os.environ["KIT_RANK_SPEC"]).read_text())
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("KIT_PG_TIMEOUT_S"), str(spec["gpu_test"])
+
+
+def test_ranks_of_a_test_not_marked_gpu_see_no_gpu_and_get_the_group_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron_testkit import attribution
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # what a GPU runner would show
+    # Not marked gpu: gloo, devices hidden; the group timeout is min(0.8 * 60 s, 60 s - 10 s) of the launch.
+    assert run_ranks(devices_seen, 2, timeout=60) == [("", "48.0", "False")] * 2
+    context = attribution.current()
+    assert context is not None and context.gpu is False
+    context.gpu = True  # as the plugin sets it for a test marked gpu
+    try:
+        # A gpu test's ranks keep the devices the parent sees (gloo here: fewer GPUs than ranks).
+        assert run_ranks(devices_seen, 2, backend="gloo", timeout=60) == [("0,1", "48.0", "True")] * 2
+    finally:
+        context.gpu = False

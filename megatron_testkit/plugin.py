@@ -7,7 +7,8 @@ What it does for every test:
 
 - opens a `megatron_testkit.attribution` context (test id, ``memory_budget``), so a plain `run_ranks`
   call is attributed to the test and enforces its budget;
-- skips ``gpu`` tests without CUDA and ``gpu`` + ``world_size(n)`` tests with fewer than n GPUs;
+- skips ``gpu`` tests without CUDA and ``gpu`` + ``world_size(n)`` tests with fewer than n GPUs
+  (fails them instead when ``KIT_REQUIRE_GPUS`` promises the GPUs: `devices.gpu_gate`);
 - guards the shared session (`kit_leak_guard`, autouse) on tests that launched ranks, are marked
   ``world_size`` or ``leak_guard``, or on every test with ``kit_leak_guard = all`` (ini; ``off``
   disables it): no child process and no initialised default process group may outlive the test.
@@ -217,18 +218,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     context = attribution.current()
     if mark is not None and context is not None:
         context.budget = MemoryBudget.from_marker(mark)
-    if item.get_closest_marker("gpu") is None:
+    gpu = item.get_closest_marker("gpu") is not None
+    if context is not None:
+        context.gpu = gpu  # run_ranks gives NCCL and the GPUs only to `gpu` tests
+    if not gpu:
         return
+    from megatron_testkit.devices import gpu_gate, required_gpus
     from megatron_testkit.ranks import cuda_device_count
 
-    gpus = cuda_device_count()
-    if gpus == 0:
-        pytest.skip("needs CUDA (marked gpu); no CUDA device is visible")
     ws = item.get_closest_marker("world_size")
-    if ws is not None:
-        need = int(ws.args[0] if ws.args else ws.kwargs["n"])
-        if gpus < need:
-            pytest.skip(f"needs {need} GPUs (marked gpu, world_size({need})); {gpus} visible")
+    need = int(ws.args[0] if ws.args else ws.kwargs["n"]) if ws is not None else None
+    # Too few GPUs skips, unless the job promised them (KIT_REQUIRE_GPUS): then it fails.
+    gate = gpu_gate(cuda_device_count(), need, required_gpus())
+    if gate.action == "fail":
+        pytest.fail(gate.reason, pytrace=False)
+    if gate.action == "skip":
+        pytest.skip(gate.reason)
 
 
 # ---- attribution and per-test measurements -----------------------------------------------------

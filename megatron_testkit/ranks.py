@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import psutil
 
-from megatron_testkit import attribution, procfs, proctree
+from megatron_testkit import attribution, devices, flight_recorder, procfs, proctree
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
 from megatron_testkit.schema import Run
@@ -77,11 +77,11 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def choose_backend(backend: str, world_size: int) -> str:
-    """``auto`` -> nccl when there are at least ``world_size`` GPUs, else gloo."""
-    if backend != "auto":
-        return backend
-    return "nccl" if cuda_device_count() >= world_size else "gloo"
+def choose_backend(backend: str, world_size: int, gpu_test: bool | None = None) -> str:
+    """``auto`` -> nccl with at least ``world_size`` GPUs, else gloo; a test not marked ``gpu``
+    (``gpu_test=False``) always gets gloo (`devices.choose_backend`)."""
+    gpus = cuda_device_count() if backend == "auto" and gpu_test is not False else 0
+    return devices.choose_backend(backend, world_size, gpus=gpus, gpu_test=gpu_test)
 
 
 def _check_picklable(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
@@ -203,18 +203,6 @@ def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, 
     return child
 
 
-def _nccl_env(run_dir: Path) -> dict[str, str]:
-    """Flight recorder on, dumped into the launch's directory when a collective times out."""
-    return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": str(run_dir / "nccl_flight_recorder_rank"),
-        # Older torch reads only this name for the same dump.
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(run_dir / "nccl_flight_recorder_rank"),
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-    }
-
-
 def _read_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     try:
         with open(path, "rb") as f:
@@ -307,7 +295,12 @@ class _Launch:
         self.budget = budget or MemoryBudget()
         IDLE_FOOTPRINT.refuse_below(self.budget)
         self.world_size, self.timeout = world_size, timeout
-        self.backend = choose_backend(backend, world_size)
+        # Marked `gpu` or not (None outside a test): only `gpu` tests get NCCL and see the GPUs.
+        self.gpu_test = context.gpu if context is not None else None
+        self.backend = choose_backend(backend, world_size, self.gpu_test)
+        # The process group times out before the launch does, so NCCL's watchdog writes its flight
+        # recorder while the launcher still waits; gloo gets the same margin.
+        self.pg_timeout = max(5.0, min(timeout * 0.8, timeout - 10.0))
         self.seed = attribution.seed_for(self.test_id)
         self.run_dir, self.keep = _run_dir(
             self.test_id, context.log_root if context else attribution.log_root()
@@ -315,7 +308,11 @@ class _Launch:
         (self.run_dir / "payload.pkl").write_bytes(payload)
         self.spec_path = self.run_dir / "spec.json"
         self.spec_path.write_text(json.dumps(self._spec(fn)))
-        self.env = _nccl_env(self.run_dir) if self.backend == "nccl" else {}
+        # NCCL: flight recorder on, dumps and dump-request pipes in the launch's directory.
+        self.env = flight_recorder.nccl_env(self.run_dir) if self.backend == "nccl" else {}
+        self.env.update(devices.rank_device_env(self.backend, gpu_test=self.gpu_test))
+        # megatron's groups take this timeout (fixtures.megatron.init_model_parallel), not 30 minutes.
+        self.env[flight_recorder.PG_TIMEOUT_ENV] = str(self.pg_timeout)
         self.env.update(env or {})
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
@@ -323,9 +320,6 @@ class _Launch:
 
     def _spec(self, fn: Callable[..., Any]) -> dict[str, Any]:
         """What every rank reads at start (``rank_worker.run``)."""
-        # The process group times out before the launch does, so NCCL's watchdog writes its flight
-        # recorder while the launcher still waits; gloo gets the same margin.
-        pg_timeout = max(5.0, min(self.timeout * 0.8, self.timeout - 10.0))
         sys_path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         package_root = str(Path(__file__).resolve().parent.parent)
         if package_root not in sys_path:
@@ -336,8 +330,9 @@ class _Launch:
             "run_dir": str(self.run_dir),
             "store": str(self.run_dir / "filestore"),
             "payload": str(self.run_dir / "payload.pkl"),
-            "pg_timeout_s": pg_timeout,
+            "pg_timeout_s": self.pg_timeout,
             "seed": self.seed,  # rank r seeds random, numpy and torch with seed + r
+            "gpu_test": self.gpu_test,
             "threads": _threads_per_rank(self.world_size),
             "budget_host_bytes": self.budget.host_bytes,
             "budget_device_bytes": self.budget.device_bytes,
@@ -399,8 +394,16 @@ class _Launch:
         return [r for r in self.ranks if r.status == "running"]
 
     def stop(self, ranks: list[_RankProcess], status: str) -> None:
-        """Ask the given ranks for a faulthandler stack dump, then kill their process groups."""
+        """Ask the given ranks for a flight-recorder dump (NCCL) and a stack dump, then kill them."""
         __tracebackhide__ = True  # an interrupt (pytest-timeout) lands here: show the test, not this
+        if self.backend == "nccl" and ranks:
+            # NCCL's monitor thread serves the request within a poll; only ranks with a pipe are
+            # waited for, at most flight_recorder.DUMP_WAIT_S.
+            outcome = flight_recorder.dump_before_kill(
+                self.run_dir / flight_recorder.DUMP_STEM, [r.rank for r in ranks]
+            )
+            with contextlib.suppress(OSError):
+                (self.run_dir / "flight_recorder.json").write_text(json.dumps(outcome))
         for r in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(r.proc.pid, signal.SIGUSR1)
@@ -437,6 +440,8 @@ class _Launch:
         message = format_failure(
             root, records, timeout=self.timeout, log_dir=str(self.run_dir), started=self.started
         )
+        if self.backend == "nccl":
+            message += "".join(f"\nflight recorder: {line}" for line in self.flight_recorder_findings())
         if self.in_test:
             # Same test id, same seeds: this replays the launch as it ran.
             message += (
@@ -446,6 +451,12 @@ class _Launch:
         return RankFailure(
             message, rank=root.rank, kind=root.kind or "error", records=records, log_dir=str(self.run_dir)
         )
+
+    def flight_recorder_findings(self) -> list[str]:
+        """What the ranks' flight-recorder dumps say (which rank is behind, in which collective)."""
+        stem = self.run_dir / flight_recorder.DUMP_STEM
+        traces = flight_recorder.read_dumps(stem, range(self.world_size))
+        return flight_recorder.diagnose(traces, self.world_size) if traces else []
 
     def results(self) -> list[Any]:
         """Every rank's return value, in rank order."""
