@@ -398,3 +398,37 @@ def test_ranks_of_a_test_not_marked_gpu_see_no_gpu_and_get_the_group_timeout(
         assert run_ranks(devices_seen, 2, backend="gloo", timeout=60) == [("0,1", "48.0", "True")] * 2
     finally:
         context.gpu = False
+
+
+def _megatron_core_release() -> str | None:
+    """megatron-core's release read from its package_info.py source (no import, no metadata)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    text = (Path(next(iter(spec.submodule_search_locations))) / "core" / "package_info.py").read_text()
+    parts = dict(re.findall(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE) = [\"']?(\w*)", text, re.M))
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts.get('PRE_RELEASE', '')}"
+
+
+def test_the_session_header_names_the_ci_job_and_the_megatron_core_release(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatron_testkit.schema import Session
+
+    pytester.makepyfile("def test_plain():\n    pass\n")
+    monkeypatch.delenv("KIT_CI_JOB", raising=False)
+    pytester.runpytest("-p", "no:cacheprovider", "--kit-report", "local").assert_outcomes(passed=1)
+    monkeypatch.setenv("KIT_CI_JOB", "L1-cpu-mcore-0.16.1")
+    pytester.runpytest("-p", "no:cacheprovider", "--kit-report", "ci").assert_outcomes(passed=1)
+    local = json.loads((pytester.path / "local" / "kit-report.json").read_text())["session"]
+    ci = json.loads((pytester.path / "ci" / "kit-report.json").read_text())["session"]
+    assert local["ci_job"] is None and ci["ci_job"] == "L1-cpu-mcore-0.16.1"
+    release = _megatron_core_release()
+    assert ci["megatron_core"] == release and release is not None  # installed in this venv
+    assert Session.from_json(ci).ci_job == "L1-cpu-mcore-0.16.1"
+    md = (pytester.path / "ci" / "kit-report.md").read_text()
+    assert f"megatron-core {release}" in md and "CI job `L1-cpu-mcore-0.16.1`" in md

@@ -39,6 +39,7 @@ import pytest
 from megatron_testkit import attribution
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
+from megatron_testkit.schema import Session
 
 # The one list of the kit's markers (registered below; pyproject keeps no copy).
 TIERS = ("L0", "L1", "L2")
@@ -122,31 +123,35 @@ class _KitSession:
             gpus = cuda_device_count()
         except Exception:
             gpus = 0
-        return {
-            "started": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
-            "duration_s": round(time.time() - self.started, 3),
-            "pytest_args": [str(a) for a in self.config.invocation_params.args],
-            "markexpr": self.config.getoption("markexpr", "") or "",
-            "host": socket.gethostname(),
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-            "cpu_count": os.cpu_count(),
-            "gpus": gpus,
-            "torch": _torch_version(),
-            "pytest_rss_start_bytes": self.rss_start,
-            "pytest_rss_end_bytes": _rss(),
-        }
+        return Session(
+            started=datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
+            duration_s=round(time.time() - self.started, 3),
+            pytest_args=[str(a) for a in self.config.invocation_params.args],
+            markexpr=self.config.getoption("markexpr", "") or "",
+            host=socket.gethostname(),
+            platform=platform.platform(),
+            python=sys.version.split()[0],
+            cpu_count=os.cpu_count(),
+            gpus=gpus,
+            torch=_version("torch"),
+            # Read from the installed metadata: importing megatron here would cost seconds.
+            megatron_core=_version("megatron-core"),
+            ci_job=os.environ.get("KIT_CI_JOB") or None,  # the CI row (set by `python -m ci job`)
+            pytest_rss_start_bytes=self.rss_start,
+            pytest_rss_end_bytes=_rss(),
+        ).to_json()
 
 
 def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _torch_version() -> str | None:
+def _version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, without importing it; None when not installed."""
     from importlib import metadata
 
     try:
-        return metadata.version("torch")
+        return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
 
