@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import psutil
 
-from megatron_testkit import attribution, devices, flight_recorder, procfs, proctree
+from megatron_testkit import attribution, devices, flight_recorder, procfs, proctree, runner_limit
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
 from megatron_testkit.schema import Run
@@ -54,6 +54,15 @@ _LOG_TAIL_LINES = 40
 
 _BOOTSTRAP = (
     "import json, os, sys\n"
+    # First of all, join the runner's memory cgroup (`python -m ci repro`), so that no memory the
+    # rank touches is charged outside it (the repro's watcher would adopt it a poll later).
+    "group = os.environ.get('KIT_RANK_CGROUP')\n"
+    "if group:\n"
+    "    try:\n"
+    "        with open(os.path.join(group, 'cgroup.procs'), 'w') as f:\n"
+    "            f.write(str(os.getpid()))\n"
+    "    except OSError as exc:\n"
+    "        print(f'kit: rank could not join the memory cgroup {group}: {exc}', file=sys.stderr)\n"
     "spec = json.load(open(os.environ['KIT_RANK_SPEC']))\n"
     "sys.path[:] = spec['sys_path'] + [p for p in sys.path if p not in spec['sys_path']]\n"
     "from megatron_testkit.rank_worker import main\n"
@@ -224,12 +233,16 @@ class _RankProcess:
     status: str = "running"  # running, ok, failed, torn_down, hung
     exit_time: float | None = None
     sampled_peak: int | None = None
+    rss: int | None = None  # sampled each poll under KIT_HOST_MEMORY
+    runner_oom: str | None = None  # why the launcher killed it for the runner's memory limit
 
-    def poll(self) -> bool:
-        """Sample the peak; note an exit. True when the rank has just failed."""
+    def poll(self, sample_rss: bool = False) -> bool:
+        """Sample the peak (and the RSS); note an exit. True when the rank has just failed."""
         peak = procfs.peak_rss_bytes(self.proc.pid)
         if peak is not None:
             self.sampled_peak = max(peak, self.sampled_peak or 0)
+        if sample_rss:
+            self.rss = procfs.rss_bytes(self.proc.pid)
         rc = self.proc.poll()
         if rc is None:
             return False
@@ -314,6 +327,13 @@ class _Launch:
         # megatron's groups take this timeout (fixtures.megatron.init_model_parallel), not 30 minutes.
         self.env[flight_recorder.PG_TIMEOUT_ENV] = str(self.pg_timeout)
         self.env.update(env or {})
+        # The runner's memory: enforced here on the ranks' summed RSS (KIT_HOST_MEMORY), or by the
+        # kernel in the ranks' cgroup (KIT_RANK_CGROUP), whose OOM counter is read before and after.
+        self.host_limit = runner_limit.host_memory_limit()
+        self.rss_before: dict[int, int] = {}
+        group = os.environ.get(runner_limit.RANK_CGROUP_ENV)
+        self.cgroup = Path(group) if group else None
+        self.oom_before = runner_limit.read_oom_counters(self.cgroup) if self.cgroup is not None else None
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
         self.started = time.time()
@@ -370,8 +390,10 @@ class _Launch:
         while True:
             now = time.monotonic()
             for r in self.running():
-                if r.poll() and first_failure is None:
+                if r.poll(sample_rss=self.host_limit is not None) and first_failure is None:
                     first_failure = now
+            if self.host_limit is not None:
+                self.enforce_host_limit(self.host_limit)
             if now - last_scan > 0.5:
                 # Remember helpers that might leave the rank's process group before it dies.
                 last_scan = now
@@ -388,6 +410,48 @@ class _Launch:
                 self.stop(running, "hung")
                 return True
             time.sleep(_POLL_S)
+
+    def enforce_host_limit(self, limit: int) -> None:
+        """Kill the rank that pushed the running ranks' summed RSS over the runner's memory."""
+        current = {r.rank: r.rss for r in self.running() if r.rss is not None}
+        culprit = runner_limit.rank_over_limit(self.rss_before, current, limit)
+        self.rss_before = current
+        if culprit is None:
+            return
+        r = self.ranks[culprit]
+        r.runner_oom = (
+            f"the ranks' summed RSS {format_size(sum(current.values()))} > {format_size(limit)} "
+            f"(KIT_HOST_MEMORY, the runner's memory); rank {culprit} grew most and was killed by the "
+            f"launcher at RSS {format_size(current[culprit])}"
+        )
+        proctree.signal_group(r.proc.pid, signal.SIGKILL)
+        self.rss_before.pop(culprit, None)
+
+    def name_runner_ooms(self, records: list[RankRecord]) -> None:
+        """Mark the ranks the runner's memory limit killed as ``oom``, saying how it was seen.
+
+        A rank the launcher killed (KIT_HOST_MEMORY) says so; in the ranks' cgroup, ranks killed by
+        SIGKILL while the group's OOM counter rose are the kernel OOM killer's, earliest first.
+        """
+        for r, rec in zip(self.ranks, records, strict=True):
+            if r.runner_oom is not None:
+                rec.exc_type, rec.exc_message, rec.kind_hint = _RUNNER_OOM, r.runner_oom, "oom"
+        if self.cgroup is None or self.oom_before is None:
+            return
+        killed = [
+            rec for rec in records if rec.status == "failed" and rec.signal == "SIGKILL" and not rec.exc_type
+        ]
+        seen = runner_limit.oom_kills_between(self.oom_before, runner_limit.read_oom_counters(self.cgroup))
+        if not killed or seen is None:
+            return
+        count, note = seen
+        limit = runner_limit.group_limit_bytes(self.cgroup)
+        for rec in sorted(killed, key=lambda rec: (rec.time or 0.0, rec.rank))[:count]:
+            rec.exc_type, rec.kind_hint = _RUNNER_OOM, "oom"
+            rec.exc_message = (
+                f"killed by the kernel OOM killer in the ranks' memory cgroup {self.cgroup} ({note}; "
+                f"limit {format_size(limit)}, rank {rec.rank}'s peak RSS {format_size(rec.peak_host_bytes)})"
+            )
 
     def running(self) -> list[_RankProcess]:
         """The ranks still running."""
@@ -501,6 +565,10 @@ class _Launch:
                 path.unlink(missing_ok=True)
 
 
+# How a rank killed for the runner's memory (not its own budget) is named in its record.
+_RUNNER_OOM = "megatron_testkit.RunnerMemoryExceeded"
+
+
 def _refuse_if_failed_at_startup(root: RankRecord, budget: MemoryBudget) -> None:
     """A host budget crossed before the test's function started is the budget's fault, no rank's."""
     if root.kind == "oom" and root.extra.get("in_function") is False and budget.host_bytes is not None:
@@ -548,6 +616,7 @@ def run_ranks(
             launch.interrupted(exc)
             raise
         records = [r.record(launch.run_dir) for r in launch.ranks]
+        launch.name_runner_ooms(records)
         try:
             failure = launch.diagnose(records, hung)
         except BudgetBelowFootprint as exc:
