@@ -504,8 +504,9 @@ class _Launch:
         message = format_failure(
             root, records, timeout=self.timeout, log_dir=str(self.run_dir), started=self.started
         )
-        if self.backend == "nccl":
-            message += "".join(f"\nflight recorder: {line}" for line in self.flight_recorder_findings())
+        # NCCL dumps on a watchdog timeout and on the launcher's request (`stop`); any rank may
+        # also have dumped on its own (gloo records too): what the dumps say joins the message.
+        message += "".join(f"\nflight recorder: {line}" for line in self.flight_recorder_findings())
         if self.in_test:
             # Same test id, same seeds: this replays the launch as it ran.
             message += (
