@@ -47,7 +47,7 @@ _MARKERS = (
     "L0: runs on every pull request; must finish on a 2-core CPU-only runner",
     "L1: the longer set: pushes to main and the needs-more-tests label",
     "L2: nightly and manual dispatch",
-    "gpu: needs CUDA; skips with a reason without it",
+    "gpu: needs CUDA; skips with a reason without it (fails instead when KIT_REQUIRE_GPUS promises the GPUs)",
     "world_size(n): the number of ranks the test launches (skips when a GPU test needs more GPUs than exist)",
     "memory_budget(host=None, device=None): per-rank peak limits, e.g. host='1.5GiB', device='4GiB'",
     "leak_guard: apply the kit's leak guard to this test although it launches no ranks",
