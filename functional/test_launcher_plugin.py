@@ -432,3 +432,41 @@ def test_the_session_header_names_the_ci_job_and_the_megatron_core_release(
     assert Session.from_json(ci).ci_job == "L1-cpu-mcore-0.16.1"
     md = (pytester.path / "ci" / "kit-report.md").read_text()
     assert f"megatron-core {release}" in md and "CI job `L1-cpu-mcore-0.16.1`" in md
+
+
+def hold(rank: int, world_size: int, mib: int) -> int:
+    block = b"\x01" * (mib * 2**20)  # written, so resident
+    return len(block) // 2**20
+
+
+def test_a_gpu_tests_rank_gets_the_cuda_host_allowance_on_top_of_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron_testkit import attribution
+    from megatron_testkit.budgets import MemoryBudget
+    from megatron_testkit.diagnosis import RankFailure
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("KIT_CUDA_HOST_ALLOWANCE", "400MiB")
+    # Room for an idle rank, not for 200 MiB more.
+    budget = MemoryBudget(host_bytes=max(sizes_of_idle_ranks()) + 100 * 2**20)
+    with pytest.raises(RankFailure) as info:
+        run_ranks(hold, 1, backend="gloo", timeout=60, args=(200,), budget=budget)
+    assert info.value.kind == "oom" and "host memory budget exceeded" in str(info.value)
+    context = attribution.current()
+    assert context is not None
+    context.gpu = True  # marked gpu: its ranks may hold a CUDA context, driver and libraries
+    try:
+        assert run_ranks(hold, 1, backend="gloo", timeout=60, args=(200,), budget=budget) == [200]
+    finally:
+        context.gpu = False
+
+
+def idle_rss(rank: int, world_size: int) -> int:
+    from megatron_testkit.procfs import current_rss_bytes
+
+    return current_rss_bytes()
+
+
+def sizes_of_idle_ranks() -> list[int]:
+    return run_ranks(idle_rss, 1, backend="gloo", timeout=60)
