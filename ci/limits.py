@@ -29,34 +29,28 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fixtures.budgets import format_size
+from megatron_testkit.runner_limit import RANK_CGROUP_ENV, rank_over_limit, read_oom_counters
+
+__all__ = [
+    "METHODS",
+    "RANK_CGROUP_ENV",
+    "Kill",
+    "MemoryLimit",
+    "RankWatcher",
+    "apply_memory_limit",
+    "rank_over_limit",
+]
 
 METHODS = ("cgroup2", "cgroup1", "systemd-run", "env")
 RANK_ARG = re.compile(r"^kit-rank-(\d+)-of-(\d+)$")
 POLL_S = 0.02
-RANK_CGROUP_ENV = "KIT_RANK_CGROUP"  # the ranks' group, for a launcher that joins it at rank start
-
-
-# --- the env method's decision, pure ------------------------------------------------------------
-
-
-def rank_over_limit(previous: Mapping[int, int], current: Mapping[int, int], limit_bytes: int) -> int | None:
-    """The rank that pushed the ranks' summed RSS over `limit_bytes`, or None while the sum fits.
-
-    `previous` and `current` are RSS samples (rank -> bytes) of the running ranks one poll apart.
-    The culprit is the rank that grew most since the previous sample (a rank absent there grew
-    from 0); a tie goes to the larger RSS, then the lower rank. With nothing grown (a sum already
-    over at the first sample), the largest rank is named: it is what the kernel's OOM killer picks.
-    """
-    if sum(current.values()) <= limit_bytes:
-        return None
-    if not current:
-        return None
-    return max(sorted(current), key=lambda r: (current[r] - previous.get(r, 0), current[r], -r))
+# The env method's decision (`rank_over_limit`), the ranks' group variable and the OOM counter
+# reader live in megatron_testkit.runner_limit: the launcher enforces and reads the same limit.
 
 
 # --- the group ----------------------------------------------------------------------------------
@@ -115,22 +109,11 @@ class MemoryLimit:
 
     def oom_kills(self) -> int | None:
         """Processes the kernel killed for exceeding the limit (None when the group cannot say)."""
-        if self.cgroup is None:
-            return None
-        for name in ("memory.events", "memory.oom_control"):
-            try:
-                text = (self.cgroup / name).read_text()
-            except OSError:
-                continue
-            for line in text.splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-        return None
+        return read_oom_counters(self.cgroup).oom_kill if self.cgroup is not None else None
 
     def failcnt(self) -> int | None:
         """v1's count of allocations that hit the limit (the fallback where oom_kill is not kept)."""
-        return _read_int(self.cgroup / "memory.failcnt") if self.cgroup is not None else None
+        return read_oom_counters(self.cgroup).failcnt if self.cgroup is not None else None
 
     def describe(self) -> str:
         """One line: the method, the size and where, with the methods that were not available."""

@@ -335,3 +335,138 @@ def test_without_kit_require_tier_untiered_tests_are_collected(pytester: pytest.
     pytester.makepyfile(test_untiered=UNTIERED)
     result = pytester.runpytest("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+def test_kit_require_gpus_turns_a_too_few_gpus_skip_into_a_failure(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.world_size(2)
+        def test_needs_two_gpus():
+            pass
+
+        @pytest.mark.gpu
+        @pytest.mark.world_size(64)
+        def test_needs_more_than_promised():
+            pass
+
+        def test_cpu():
+            pass
+        """
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, on any machine
+    plain = pytester.runpytest("-rs", "-p", "no:cacheprovider")
+    plain.assert_outcomes(passed=1, skipped=2)
+    monkeypatch.setenv("KIT_REQUIRE_GPUS", "2")
+    promised = pytester.runpytest("-rs", "-p", "no:cacheprovider")
+    # The job promised 2 GPUs and has none: the 2-GPU test fails at setup (an error, so the job
+    # is red); a test needing 64 was never promised them and still skips.
+    promised.assert_outcomes(passed=1, skipped=1, errors=1)
+    promised.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_needs_two_gpus*",
+            "needs CUDA (marked gpu); no CUDA device is visible; but KIT_REQUIRE_GPUS=2 promises 2*",
+            "*SKIPPED*needs CUDA (marked gpu); no CUDA device is visible",
+        ]
+    )
+
+
+def devices_seen(rank: int, world_size: int) -> tuple[str | None, str | None, str]:
+    from pathlib import Path
+
+    spec = json.loads(Path(os.environ["KIT_RANK_SPEC"]).read_text())
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("KIT_PG_TIMEOUT_S"), str(spec["gpu_test"])
+
+
+def test_ranks_of_a_test_not_marked_gpu_see_no_gpu_and_get_the_group_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron_testkit import attribution
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # what a GPU runner would show
+    # Not marked gpu: gloo, devices hidden; the group timeout is min(0.8 * 60 s, 60 s - 10 s) of the launch.
+    assert run_ranks(devices_seen, 2, timeout=60) == [("", "48.0", "False")] * 2
+    context = attribution.current()
+    assert context is not None and context.gpu is False
+    context.gpu = True  # as the plugin sets it for a test marked gpu
+    try:
+        # A gpu test's ranks keep the devices the parent sees (gloo here: fewer GPUs than ranks).
+        assert run_ranks(devices_seen, 2, backend="gloo", timeout=60) == [("0,1", "48.0", "True")] * 2
+    finally:
+        context.gpu = False
+
+
+def _megatron_core_release() -> str | None:
+    """megatron-core's release read from its package_info.py source (no import, no metadata)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    text = (Path(next(iter(spec.submodule_search_locations))) / "core" / "package_info.py").read_text()
+    parts = dict(re.findall(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE) = [\"']?(\w*)", text, re.M))
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts.get('PRE_RELEASE', '')}"
+
+
+def test_the_session_header_names_the_ci_job_and_the_megatron_core_release(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatron_testkit.schema import Session
+
+    pytester.makepyfile("def test_plain():\n    pass\n")
+    monkeypatch.delenv("KIT_CI_JOB", raising=False)
+    pytester.runpytest("-p", "no:cacheprovider", "--kit-report", "local").assert_outcomes(passed=1)
+    monkeypatch.setenv("KIT_CI_JOB", "L1-cpu-mcore-0.16.1")
+    pytester.runpytest("-p", "no:cacheprovider", "--kit-report", "ci").assert_outcomes(passed=1)
+    local = json.loads((pytester.path / "local" / "kit-report.json").read_text())["session"]
+    ci = json.loads((pytester.path / "ci" / "kit-report.json").read_text())["session"]
+    assert local["ci_job"] is None and ci["ci_job"] == "L1-cpu-mcore-0.16.1"
+    release = _megatron_core_release()
+    assert ci["megatron_core"] == release and release is not None  # installed in this venv
+    assert Session.from_json(ci).ci_job == "L1-cpu-mcore-0.16.1"
+    md = (pytester.path / "ci" / "kit-report.md").read_text()
+    assert f"megatron-core {release}" in md and "CI job `L1-cpu-mcore-0.16.1`" in md
+
+
+def hold(rank: int, world_size: int, mib: int) -> int:
+    block = b"\x01" * (mib * 2**20)  # written, so resident
+    return len(block) // 2**20
+
+
+def test_a_gpu_tests_rank_gets_the_cuda_host_allowance_on_top_of_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from megatron_testkit import attribution
+    from megatron_testkit.budgets import MemoryBudget
+    from megatron_testkit.diagnosis import RankFailure
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("KIT_CUDA_HOST_ALLOWANCE", "400MiB")
+    # Room for an idle rank, not for 200 MiB more.
+    budget = MemoryBudget(host_bytes=max(sizes_of_idle_ranks()) + 100 * 2**20)
+    with pytest.raises(RankFailure) as info:
+        run_ranks(hold, 1, backend="gloo", timeout=60, args=(200,), budget=budget)
+    assert info.value.kind == "oom" and "host memory budget exceeded" in str(info.value)
+    context = attribution.current()
+    assert context is not None
+    context.gpu = True  # marked gpu: its ranks may hold a CUDA context, driver and libraries
+    try:
+        assert run_ranks(hold, 1, backend="gloo", timeout=60, args=(200,), budget=budget) == [200]
+    finally:
+        context.gpu = False
+
+
+def idle_rss(rank: int, world_size: int) -> int:
+    from megatron_testkit.procfs import current_rss_bytes
+
+    return current_rss_bytes()
+
+
+def sizes_of_idle_ranks() -> list[int]:
+    return run_ranks(idle_rss, 1, backend="gloo", timeout=60)

@@ -24,6 +24,7 @@ class TestContext:
     nodeid: str
     budget: MemoryBudget | None = None
     log_root: str | None = None
+    gpu: bool | None = None  # marked `gpu`; None outside a test (set by the plugin at setup)
     runs: list[Run] = field(default_factory=list)
 
 

@@ -7,7 +7,8 @@ What it does for every test:
 
 - opens a `megatron_testkit.attribution` context (test id, ``memory_budget``), so a plain `run_ranks`
   call is attributed to the test and enforces its budget;
-- skips ``gpu`` tests without CUDA and ``gpu`` + ``world_size(n)`` tests with fewer than n GPUs;
+- skips ``gpu`` tests without CUDA and ``gpu`` + ``world_size(n)`` tests with fewer than n GPUs
+  (fails them instead when ``KIT_REQUIRE_GPUS`` promises the GPUs: `devices.gpu_gate`);
 - guards the shared session (`kit_leak_guard`, autouse) on tests that launched ranks, are marked
   ``world_size`` or ``leak_guard``, or on every test with ``kit_leak_guard = all`` (ini; ``off``
   disables it): no child process and no initialised default process group may outlive the test.
@@ -38,6 +39,7 @@ import pytest
 from megatron_testkit import attribution
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
+from megatron_testkit.schema import Session
 
 # The one list of the kit's markers (registered below; pyproject keeps no copy).
 TIERS = ("L0", "L1", "L2")
@@ -45,7 +47,7 @@ _MARKERS = (
     "L0: runs on every pull request; must finish on a 2-core CPU-only runner",
     "L1: the longer set: pushes to main and the needs-more-tests label",
     "L2: nightly and manual dispatch",
-    "gpu: needs CUDA; skips with a reason without it",
+    "gpu: needs CUDA; skips with a reason without it (fails instead when KIT_REQUIRE_GPUS promises the GPUs)",
     "world_size(n): the number of ranks the test launches (skips when a GPU test needs more GPUs than exist)",
     "memory_budget(host=None, device=None): per-rank peak limits, e.g. host='1.5GiB', device='4GiB'",
     "leak_guard: apply the kit's leak guard to this test although it launches no ranks",
@@ -121,31 +123,35 @@ class _KitSession:
             gpus = cuda_device_count()
         except Exception:
             gpus = 0
-        return {
-            "started": datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
-            "duration_s": round(time.time() - self.started, 3),
-            "pytest_args": [str(a) for a in self.config.invocation_params.args],
-            "markexpr": self.config.getoption("markexpr", "") or "",
-            "host": socket.gethostname(),
-            "platform": platform.platform(),
-            "python": sys.version.split()[0],
-            "cpu_count": os.cpu_count(),
-            "gpus": gpus,
-            "torch": _torch_version(),
-            "pytest_rss_start_bytes": self.rss_start,
-            "pytest_rss_end_bytes": _rss(),
-        }
+        return Session(
+            started=datetime.datetime.fromtimestamp(self.started, datetime.timezone.utc).isoformat(),
+            duration_s=round(time.time() - self.started, 3),
+            pytest_args=[str(a) for a in self.config.invocation_params.args],
+            markexpr=self.config.getoption("markexpr", "") or "",
+            host=socket.gethostname(),
+            platform=platform.platform(),
+            python=sys.version.split()[0],
+            cpu_count=os.cpu_count(),
+            gpus=gpus,
+            torch=_version("torch"),
+            # Read from the installed metadata: importing megatron here would cost seconds.
+            megatron_core=_version("megatron-core"),
+            ci_job=os.environ.get("KIT_CI_JOB") or None,  # the CI row (set by `python -m ci job`)
+            pytest_rss_start_bytes=self.rss_start,
+            pytest_rss_end_bytes=_rss(),
+        ).to_json()
 
 
 def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _torch_version() -> str | None:
+def _version(distribution: str) -> str | None:
+    """The installed version of ``distribution``, without importing it; None when not installed."""
     from importlib import metadata
 
     try:
-        return metadata.version("torch")
+        return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
 
@@ -217,18 +223,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     context = attribution.current()
     if mark is not None and context is not None:
         context.budget = MemoryBudget.from_marker(mark)
-    if item.get_closest_marker("gpu") is None:
+    gpu = item.get_closest_marker("gpu") is not None
+    if context is not None:
+        context.gpu = gpu  # run_ranks gives NCCL and the GPUs only to `gpu` tests
+    if not gpu:
         return
+    from megatron_testkit.devices import gpu_gate, required_gpus
     from megatron_testkit.ranks import cuda_device_count
 
-    gpus = cuda_device_count()
-    if gpus == 0:
-        pytest.skip("needs CUDA (marked gpu); no CUDA device is visible")
     ws = item.get_closest_marker("world_size")
-    if ws is not None:
-        need = int(ws.args[0] if ws.args else ws.kwargs["n"])
-        if gpus < need:
-            pytest.skip(f"needs {need} GPUs (marked gpu, world_size({need})); {gpus} visible")
+    need = int(ws.args[0] if ws.args else ws.kwargs["n"]) if ws is not None else None
+    # Too few GPUs skips, unless the job promised them (KIT_REQUIRE_GPUS): then it fails.
+    gate = gpu_gate(cuda_device_count(), need, required_gpus())
+    if gate.action == "fail":
+        pytest.fail(gate.reason, pytrace=False)
+    if gate.action == "skip":
+        pytest.skip(gate.reason)
 
 
 # ---- attribution and per-test measurements -----------------------------------------------------

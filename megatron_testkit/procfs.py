@@ -1,4 +1,4 @@
-"""The kit's one reader of a process' memory from /proc: the peak (VmHWM) and the current RSS.
+"""The kit's one reader of a process' memory from /proc: the peak (VmHWM) and the current RSS (VmRSS).
 
 VmHWM, not ``ru_maxrss``: Linux carries ``ru_maxrss`` over an exec, so a rank spawned from a large
 pytest process would report its parent's RSS as its own peak.
@@ -15,6 +15,18 @@ def peak_rss_bytes(pid: int | str = "self") -> int | None:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def rss_bytes(pid: int | str) -> int | None:
+    """A process' resident set size now (VmRSS) in bytes; None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None

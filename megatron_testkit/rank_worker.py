@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit import procfs
+from megatron_testkit import devices, procfs
 from megatron_testkit.procfs import current_rss_bytes
 
 # Exit code of a rank stopped by its host memory budget (its record says so).
@@ -224,11 +224,7 @@ def _classify_exception(exc: BaseException) -> str | None:
 
 def device_cap(budget_device: int | None) -> int | None:
     """The CUDA memory a rank may use: its budget, capped by the emulated CI card if one is set."""
-    from megatron_testkit.budgets import parse_size
-
-    card = os.environ.get("KIT_DEVICE_MEMORY")
-    caps = [c for c in (budget_device, parse_size(card) if card else None) if c]
-    return min(caps) if caps else None
+    return devices.device_memory_cap(budget_device)
 
 
 def _load_main(main: dict[str, str]) -> None:
@@ -259,7 +255,9 @@ def run(spec: dict[str, Any], rank: int) -> None:
     faulthandler.enable(file=state.stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=state.stacks, all_threads=True, chain=False)
     world_size = spec["world_size"]
-    budget_host = spec.get("budget_host_bytes")
+    # A CUDA rank's RSS carries the driver, context and libraries on top of what the test uses.
+    cuda_rank = devices.uses_cuda(spec["backend"], gpu_test=spec.get("gpu_test"), environ=os.environ)
+    budget_host = devices.host_budget(spec.get("budget_host_bytes"), cuda=cuda_rank)
     budget_device = spec.get("budget_device_bytes")
     if budget_host:
         state.watch_host_memory(budget_host)
@@ -280,15 +278,9 @@ def run(spec: dict[str, Any], rank: int) -> None:
         backend = spec["backend"]
         # KIT_DEVICE_MEMORY is the CI card's memory (set by the GPU job rows of ci/jobs.py): a
         # bigger local GPU is capped to it even for tests without a device budget.
-        cap = device_cap(budget_device)
-        if backend == "nccl" or (cap and torch.cuda.is_available()):
-            # One device per rank; the fraction makes a big GPU behave like the CI one (the
-            # allocator raises OutOfMemoryError past it) and is set before anything allocates.
-            local = rank % max(1, torch.cuda.device_count())
-            torch.cuda.set_device(local)
-            if cap:
-                total = torch.cuda.get_device_properties(local).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), local)
+        # NCCL: one device per rank, capped now; otherwise the cap waits for CUDA's first use,
+        # so KIT_DEVICE_MEMORY alone never creates a CUDA context in a gloo rank.
+        devices.apply_device_cap(rank, backend, device_cap(budget_device))
         from datetime import timedelta
 
         store = dist.FileStore(spec["store"], world_size)

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import psutil
 
-from megatron_testkit import attribution, procfs, proctree
+from megatron_testkit import attribution, devices, flight_recorder, procfs, proctree, runner_limit
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
 from megatron_testkit.schema import Run
@@ -54,6 +54,15 @@ _LOG_TAIL_LINES = 40
 
 _BOOTSTRAP = (
     "import json, os, sys\n"
+    # First of all, join the runner's memory cgroup (`python -m ci repro`), so that no memory the
+    # rank touches is charged outside it (the repro's watcher would adopt it a poll later).
+    "group = os.environ.get('KIT_RANK_CGROUP')\n"
+    "if group:\n"
+    "    try:\n"
+    "        with open(os.path.join(group, 'cgroup.procs'), 'w') as f:\n"
+    "            f.write(str(os.getpid()))\n"
+    "    except OSError as exc:\n"
+    "        print(f'kit: rank could not join the memory cgroup {group}: {exc}', file=sys.stderr)\n"
     "spec = json.load(open(os.environ['KIT_RANK_SPEC']))\n"
     "sys.path[:] = spec['sys_path'] + [p for p in sys.path if p not in spec['sys_path']]\n"
     "from megatron_testkit.rank_worker import main\n"
@@ -77,11 +86,11 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def choose_backend(backend: str, world_size: int) -> str:
-    """``auto`` -> nccl when there are at least ``world_size`` GPUs, else gloo."""
-    if backend != "auto":
-        return backend
-    return "nccl" if cuda_device_count() >= world_size else "gloo"
+def choose_backend(backend: str, world_size: int, gpu_test: bool | None = None) -> str:
+    """``auto`` -> nccl with at least ``world_size`` GPUs, else gloo; a test not marked ``gpu``
+    (``gpu_test=False``) always gets gloo (`devices.choose_backend`)."""
+    gpus = cuda_device_count() if backend == "auto" and gpu_test is not False else 0
+    return devices.choose_backend(backend, world_size, gpus=gpus, gpu_test=gpu_test)
 
 
 def _check_picklable(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
@@ -203,18 +212,6 @@ def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, 
     return child
 
 
-def _nccl_env(run_dir: Path) -> dict[str, str]:
-    """Flight recorder on, dumped into the launch's directory when a collective times out."""
-    return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": str(run_dir / "nccl_flight_recorder_rank"),
-        # Older torch reads only this name for the same dump.
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(run_dir / "nccl_flight_recorder_rank"),
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-    }
-
-
 def _read_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     try:
         with open(path, "rb") as f:
@@ -236,12 +233,16 @@ class _RankProcess:
     status: str = "running"  # running, ok, failed, torn_down, hung
     exit_time: float | None = None
     sampled_peak: int | None = None
+    rss: int | None = None  # sampled each poll under KIT_HOST_MEMORY
+    runner_oom: str | None = None  # why the launcher killed it for the runner's memory limit
 
-    def poll(self) -> bool:
-        """Sample the peak; note an exit. True when the rank has just failed."""
+    def poll(self, sample_rss: bool = False) -> bool:
+        """Sample the peak (and the RSS); note an exit. True when the rank has just failed."""
         peak = procfs.peak_rss_bytes(self.proc.pid)
         if peak is not None:
             self.sampled_peak = max(peak, self.sampled_peak or 0)
+        if sample_rss:
+            self.rss = procfs.rss_bytes(self.proc.pid)
         rc = self.proc.poll()
         if rc is None:
             return False
@@ -307,7 +308,12 @@ class _Launch:
         self.budget = budget or MemoryBudget()
         IDLE_FOOTPRINT.refuse_below(self.budget)
         self.world_size, self.timeout = world_size, timeout
-        self.backend = choose_backend(backend, world_size)
+        # Marked `gpu` or not (None outside a test): only `gpu` tests get NCCL and see the GPUs.
+        self.gpu_test = context.gpu if context is not None else None
+        self.backend = choose_backend(backend, world_size, self.gpu_test)
+        # The process group times out before the launch does, so NCCL's watchdog writes its flight
+        # recorder while the launcher still waits; gloo gets the same margin.
+        self.pg_timeout = max(5.0, min(timeout * 0.8, timeout - 10.0))
         self.seed = attribution.seed_for(self.test_id)
         self.run_dir, self.keep = _run_dir(
             self.test_id, context.log_root if context else attribution.log_root()
@@ -315,17 +321,25 @@ class _Launch:
         (self.run_dir / "payload.pkl").write_bytes(payload)
         self.spec_path = self.run_dir / "spec.json"
         self.spec_path.write_text(json.dumps(self._spec(fn)))
-        self.env = _nccl_env(self.run_dir) if self.backend == "nccl" else {}
+        # NCCL: flight recorder on, dumps and dump-request pipes in the launch's directory.
+        self.env = flight_recorder.nccl_env(self.run_dir) if self.backend == "nccl" else {}
+        self.env.update(devices.rank_device_env(self.backend, gpu_test=self.gpu_test))
+        # megatron's groups take this timeout (fixtures.megatron.init_model_parallel), not 30 minutes.
+        self.env[flight_recorder.PG_TIMEOUT_ENV] = str(self.pg_timeout)
         self.env.update(env or {})
+        # The runner's memory: enforced here on the ranks' summed RSS (KIT_HOST_MEMORY), or by the
+        # kernel in the ranks' cgroup (KIT_RANK_CGROUP), whose OOM counter is read before and after.
+        self.host_limit = runner_limit.host_memory_limit()
+        self.rss_before: dict[int, int] = {}
+        group = os.environ.get(runner_limit.RANK_CGROUP_ENV)
+        self.cgroup = Path(group) if group else None
+        self.oom_before = runner_limit.read_oom_counters(self.cgroup) if self.cgroup is not None else None
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
         self.started = time.time()
 
     def _spec(self, fn: Callable[..., Any]) -> dict[str, Any]:
         """What every rank reads at start (``rank_worker.run``)."""
-        # The process group times out before the launch does, so NCCL's watchdog writes its flight
-        # recorder while the launcher still waits; gloo gets the same margin.
-        pg_timeout = max(5.0, min(self.timeout * 0.8, self.timeout - 10.0))
         sys_path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         package_root = str(Path(__file__).resolve().parent.parent)
         if package_root not in sys_path:
@@ -336,8 +350,9 @@ class _Launch:
             "run_dir": str(self.run_dir),
             "store": str(self.run_dir / "filestore"),
             "payload": str(self.run_dir / "payload.pkl"),
-            "pg_timeout_s": pg_timeout,
+            "pg_timeout_s": self.pg_timeout,
             "seed": self.seed,  # rank r seeds random, numpy and torch with seed + r
+            "gpu_test": self.gpu_test,
             "threads": _threads_per_rank(self.world_size),
             "budget_host_bytes": self.budget.host_bytes,
             "budget_device_bytes": self.budget.device_bytes,
@@ -375,8 +390,10 @@ class _Launch:
         while True:
             now = time.monotonic()
             for r in self.running():
-                if r.poll() and first_failure is None:
+                if r.poll(sample_rss=self.host_limit is not None) and first_failure is None:
                     first_failure = now
+            if self.host_limit is not None:
+                self.enforce_host_limit(self.host_limit)
             if now - last_scan > 0.5:
                 # Remember helpers that might leave the rank's process group before it dies.
                 last_scan = now
@@ -394,13 +411,63 @@ class _Launch:
                 return True
             time.sleep(_POLL_S)
 
+    def enforce_host_limit(self, limit: int) -> None:
+        """Kill the rank that pushed the running ranks' summed RSS over the runner's memory."""
+        current = {r.rank: r.rss for r in self.running() if r.rss is not None}
+        culprit = runner_limit.rank_over_limit(self.rss_before, current, limit)
+        self.rss_before = current
+        if culprit is None:
+            return
+        r = self.ranks[culprit]
+        r.runner_oom = (
+            f"the ranks' summed RSS {format_size(sum(current.values()))} > {format_size(limit)} "
+            f"(KIT_HOST_MEMORY, the runner's memory); rank {culprit} grew most and was killed by the "
+            f"launcher at RSS {format_size(current[culprit])}"
+        )
+        proctree.signal_group(r.proc.pid, signal.SIGKILL)
+        self.rss_before.pop(culprit, None)
+
+    def name_runner_ooms(self, records: list[RankRecord]) -> None:
+        """Mark the ranks the runner's memory limit killed as ``oom``, saying how it was seen.
+
+        A rank the launcher killed (KIT_HOST_MEMORY) says so; in the ranks' cgroup, ranks killed by
+        SIGKILL while the group's OOM counter rose are the kernel OOM killer's, earliest first.
+        """
+        for r, rec in zip(self.ranks, records, strict=True):
+            if r.runner_oom is not None:
+                rec.exc_type, rec.exc_message, rec.kind_hint = _RUNNER_OOM, r.runner_oom, "oom"
+        if self.cgroup is None or self.oom_before is None:
+            return
+        killed = [
+            rec for rec in records if rec.status == "failed" and rec.signal == "SIGKILL" and not rec.exc_type
+        ]
+        seen = runner_limit.oom_kills_between(self.oom_before, runner_limit.read_oom_counters(self.cgroup))
+        if not killed or seen is None:
+            return
+        count, note = seen
+        limit = runner_limit.group_limit_bytes(self.cgroup)
+        for rec in sorted(killed, key=lambda rec: (rec.time or 0.0, rec.rank))[:count]:
+            rec.exc_type, rec.kind_hint = _RUNNER_OOM, "oom"
+            rec.exc_message = (
+                f"killed by the kernel OOM killer in the ranks' memory cgroup {self.cgroup} ({note}; "
+                f"limit {format_size(limit)}, rank {rec.rank}'s peak RSS {format_size(rec.peak_host_bytes)})"
+            )
+
     def running(self) -> list[_RankProcess]:
         """The ranks still running."""
         return [r for r in self.ranks if r.status == "running"]
 
     def stop(self, ranks: list[_RankProcess], status: str) -> None:
-        """Ask the given ranks for a faulthandler stack dump, then kill their process groups."""
+        """Ask the given ranks for a flight-recorder dump (NCCL) and a stack dump, then kill them."""
         __tracebackhide__ = True  # an interrupt (pytest-timeout) lands here: show the test, not this
+        if self.backend == "nccl" and ranks:
+            # NCCL's monitor thread serves the request within a poll; only ranks with a pipe are
+            # waited for, at most flight_recorder.DUMP_WAIT_S.
+            outcome = flight_recorder.dump_before_kill(
+                self.run_dir / flight_recorder.DUMP_STEM, [r.rank for r in ranks]
+            )
+            with contextlib.suppress(OSError):
+                (self.run_dir / "flight_recorder.json").write_text(json.dumps(outcome))
         for r in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(r.proc.pid, signal.SIGUSR1)
@@ -437,6 +504,9 @@ class _Launch:
         message = format_failure(
             root, records, timeout=self.timeout, log_dir=str(self.run_dir), started=self.started
         )
+        # NCCL dumps on a watchdog timeout and on the launcher's request (`stop`); any rank may
+        # also have dumped on its own (gloo records too): what the dumps say joins the message.
+        message += "".join(f"\nflight recorder: {line}" for line in self.flight_recorder_findings())
         if self.in_test:
             # Same test id, same seeds: this replays the launch as it ran.
             message += (
@@ -446,6 +516,12 @@ class _Launch:
         return RankFailure(
             message, rank=root.rank, kind=root.kind or "error", records=records, log_dir=str(self.run_dir)
         )
+
+    def flight_recorder_findings(self) -> list[str]:
+        """What the ranks' flight-recorder dumps say (which rank is behind, in which collective)."""
+        stem = self.run_dir / flight_recorder.DUMP_STEM
+        traces = flight_recorder.read_dumps(stem, range(self.world_size))
+        return flight_recorder.diagnose(traces, self.world_size) if traces else []
 
     def results(self) -> list[Any]:
         """Every rank's return value, in rank order."""
@@ -488,6 +564,10 @@ class _Launch:
             # results, which can be large.
             for path in [self.run_dir / "payload.pkl", *self.run_dir.glob("rank*.result")]:
                 path.unlink(missing_ok=True)
+
+
+# How a rank killed for the runner's memory (not its own budget) is named in its record.
+_RUNNER_OOM = "megatron_testkit.RunnerMemoryExceeded"
 
 
 def _refuse_if_failed_at_startup(root: RankRecord, budget: MemoryBudget) -> None:
@@ -537,6 +617,7 @@ def run_ranks(
             launch.interrupted(exc)
             raise
         records = [r.record(launch.run_dir) for r in launch.ranks]
+        launch.name_runner_ooms(records)
         try:
             failure = launch.diagnose(records, hung)
         except BudgetBelowFootprint as exc:

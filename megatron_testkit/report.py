@@ -240,7 +240,9 @@ def format_markdown(report: dict[str, Any]) -> str:
         "## Kit report",
         "",
         f"{session.get('host', '?')}, {session.get('cpu_count', '?')} CPUs, {session.get('gpus', 0)} GPUs, "
-        f"torch {session.get('torch') or '-'}, {session.get('duration_s', 0):.1f} s, `-m {session.get('markexpr') or '(all)'}`",
+        f"torch {session.get('torch') or '-'}, megatron-core {session.get('megatron_core') or '-'}, "
+        f"{session.get('duration_s', 0):.1f} s, `-m {session.get('markexpr') or '(all)'}`"
+        + (f", CI job `{session['ci_job']}`" if session.get("ci_job") else ""),
         "",
         "| " + " | ".join(_COLUMNS) + " |",
         "|" + "|".join("---" for _ in _COLUMNS) + "|",

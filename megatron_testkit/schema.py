@@ -153,6 +153,52 @@ class TestEntry:
 
 
 @dataclass
+class Session:
+    """The ``session`` header the plugin writes: where and on what the session ran.
+
+    ``ci_job`` is the CI row that ran it (``KIT_CI_JOB``, None locally), which
+    ``python -m ci repro --from-report`` replays; ``megatron_core`` is the installed release
+    (None when it is not installed). A `Report` keeps the header as a dict, so readers of older
+    reports without a field still parse; `from_json` reads it back leniently.
+    """
+
+    started: str
+    duration_s: float
+    pytest_args: list[str]
+    markexpr: str
+    host: str
+    platform: str
+    python: str
+    cpu_count: int | None
+    gpus: int
+    torch: str | None
+    megatron_core: str | None
+    ci_job: str | None
+    pytest_rss_start_bytes: int | None
+    pytest_rss_end_bytes: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The header as plain JSON types, in the report's field names."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Session:
+        """Parse a ``session`` object; a missing or mistyped field reads as None (or empty)."""
+        if not isinstance(data, dict):
+            raise SchemaError("'session' is not an object")
+        values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
+        for name in ("ci_job", "megatron_core", "torch"):
+            if not isinstance(values[name], str):
+                values[name] = None
+        values["gpus"] = values["gpus"] if _is_int(values["gpus"]) else 0
+        values["pytest_args"] = [str(a) for a in values["pytest_args"] or []]
+        for name in ("started", "markexpr", "host", "platform", "python"):
+            values[name] = str(values[name] or "")
+        values["duration_s"] = float(values["duration_s"] or 0.0)
+        return cls(**values)
+
+
+@dataclass
 class Report:
     """A whole session: ``version``, the ``session`` header (free-form) and the ``tests`` rows."""
 

@@ -15,6 +15,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -234,6 +235,39 @@ def test_the_diagnosis_of_a_real_two_rank_desync_names_the_rank_that_never_enter
     assert "default_pg" not in lines[0]  # the default group is level on both ranks
 
 
+def desync_then_fail(rank: int, world_size: int) -> None:
+    """`desync_body` dumping where the launcher reads dumps (its launch directory); then rank 0 fails."""
+    run_dir = json.loads(Path(os.environ["KIT_RANK_SPEC"]).read_text())["run_dir"]
+    sub = dist.new_group([0, 1], timeout=timedelta(minutes=30))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=sub)
+    stem = Path(run_dir) / fr.DUMP_STEM
+    if rank == 0:
+        dist.all_reduce(t, group=sub, async_op=True)
+    fr.dump_path(stem, rank).write_bytes(torch._C._distributed_c10d._dump_fr_trace())
+    dist.barrier()
+    if rank == 0:
+        raise RuntimeError("rank 0 gives up waiting")
+    time.sleep(60)
+
+
+@pytest.mark.L1
+@pytest.mark.world_size(2)
+def test_a_failed_launch_says_what_the_flight_recorder_dumps_show(monkeypatch):
+    from fixtures.ranks import RankFailure, run_ranks
+
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
+    with pytest.raises(RankFailure) as info:
+        run_ranks(desync_then_fail, 2, backend="gloo", timeout=180)
+    findings = [line for line in str(info.value).splitlines() if line.startswith("flight recorder: ")]
+    assert len(findings) == 1, str(info.value)
+    assert (
+        "rank(s) [0] entered collective #2 gloo:all_reduce [[4]]; rank 1 at #1 never entered it"
+        in findings[0]
+    )
+
+
 # ---- megatron's group timeout ------------------------------------------------------------------
 @pytest.mark.L0
 def test_megatron_timeout_is_the_launchers_group_timeout_in_minutes():
@@ -243,6 +277,29 @@ def test_megatron_timeout_is_the_launchers_group_timeout_in_minutes():
         fr.megatron_timeout_minutes({"KIT_PG_TIMEOUT_S": "soon"})
     with pytest.raises(ValueError, match=r"KIT_PG_TIMEOUT_S='0'.*> 0"):
         fr.megatron_timeout_minutes({"KIT_PG_TIMEOUT_S": "0"})
+
+
+@pytest.mark.L1
+def test_init_model_parallel_gives_megatrons_groups_the_launchs_timeout(tmp_path, monkeypatch):
+    """Without distributed_timeout_minutes, fixtures.megatron.init_model_parallel takes the launch's
+    group timeout from KIT_PG_TIMEOUT_S (what the launcher exports to every rank)."""
+    from megatron.core import parallel_state as ps
+
+    from fixtures.megatron import cpu_shim, destroy_model_parallel, init_model_parallel
+
+    monkeypatch.setenv("KIT_PG_TIMEOUT_S", "75")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=75))
+    try:
+        with cpu_shim():
+            init_model_parallel(1, 1, 1)
+            try:
+                group = ps.get_tensor_model_parallel_group()
+                assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=75)
+            finally:
+                destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.L1

@@ -17,7 +17,7 @@ import pytest
 
 from ci import repro
 from ci.jobs import JOBS, ROOT, pytest_args
-from ci.limits import Kill, apply_memory_limit, rank_over_limit
+from ci.limits import Kill, apply_memory_limit
 from ci.verdicts import (
     ReportError,
     failed_tests,
@@ -474,21 +474,6 @@ def test_bad_job_choices_are_usage_errors(
 
 
 # ---- the runner's memory limit: on the ranks, not on pytest --------------------------------------
-
-
-def test_rank_over_limit_names_the_rank_that_grew_most() -> None:
-    # Under the limit: nobody. 300 + 300 = 600 <= 600.
-    assert rank_over_limit({0: 100, 1: 100}, {0: 300, 1: 300}, 600) is None
-    # Over: rank 1 grew by 250, rank 0 by 200 -> rank 1, though rank 0 is larger.
-    assert rank_over_limit({0: 200, 1: 100}, {0: 400, 1: 350}, 700) == 1
-    # A rank that appeared since the previous sample grew from 0.
-    assert rank_over_limit({0: 500}, {0: 510, 2: 100}, 600) == 2
-    # Equal growth: the larger RSS; equal again: the lower rank.
-    assert rank_over_limit({0: 100, 1: 200}, {0: 300, 1: 400}, 600) == 1
-    assert rank_over_limit({0: 100, 1: 100}, {0: 400, 1: 400}, 700) == 0
-    # Over at the first sample: the largest, as the kernel's OOM killer picks.
-    assert rank_over_limit({}, {0: 100, 1: 900, 3: 50}, 800) == 1
-    assert rank_over_limit({}, {}, 0) is None
 
 
 def test_a_rank_killed_by_the_limit_becomes_the_root_cause_as_oom() -> None:

@@ -1,0 +1,125 @@
+"""The CI runner's memory limit as the launcher sees it: enforced on a launch's ranks, or read back.
+
+A CI job dies when its processes exceed the runner's memory; ``python -m ci repro`` and the CI
+job (`ci/limits.py`) reproduce that limit, and the launcher turns it into a named verdict:
+
+- ``KIT_HOST_MEMORY`` (a size) without a cgroup, the *env* method: every poll the launcher sums its
+  running ranks' RSS, and the rank that pushed the sum over (`rank_over_limit`) is killed and
+  named ``oom``. The sum covers one launch's ranks, not other xdist workers' or pytest's.
+- ``KIT_RANK_CGROUP`` (a memory cgroup's directory): each rank joins it as its first act, the
+  kernel enforces the limit, and a rank killed by SIGKILL while the group's OOM counter rose is
+  named ``oom`` (`read_oom_counters`, `oom_kills_between`). Without the counter the kernel keeps on
+  v1 (``oom_kill`` in ``memory.oom_control`` needs Linux 4.13), a ``memory.failcnt`` rise stands in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "HOST_MEMORY_ENV",
+    "RANK_CGROUP_ENV",
+    "OomCounters",
+    "group_limit_bytes",
+    "host_memory_limit",
+    "oom_kills_between",
+    "rank_over_limit",
+    "read_oom_counters",
+]
+
+HOST_MEMORY_ENV = "KIT_HOST_MEMORY"  # the runner's memory, e.g. "7GB" (ci/jobs.py's CPU rows)
+RANK_CGROUP_ENV = "KIT_RANK_CGROUP"  # the ranks' memory cgroup, joined by each rank at start
+
+
+def rank_over_limit(previous: Mapping[int, int], current: Mapping[int, int], limit_bytes: int) -> int | None:
+    """The rank that pushed the ranks' summed RSS over `limit_bytes`, or None while the sum fits.
+
+    `previous` and `current` are RSS samples (rank -> bytes) of the running ranks one poll apart.
+    The culprit is the rank that grew most since the previous sample (a rank absent there grew
+    from 0); a tie goes to the larger RSS, then the lower rank. With nothing grown (a sum already
+    over at the first sample), the largest rank is named: it is what the kernel's OOM killer picks.
+    """
+    if sum(current.values()) <= limit_bytes:
+        return None
+    if not current:
+        return None
+    return max(sorted(current), key=lambda r: (current[r] - previous.get(r, 0), current[r], -r))
+
+
+def host_memory_limit(environ: Mapping[str, str] | None = None) -> int | None:
+    """The limit the launcher enforces itself: ``KIT_HOST_MEMORY`` in bytes, unless the ranks run in
+    a cgroup (``KIT_RANK_CGROUP``), where the kernel enforces it; None when unset."""
+    from megatron_testkit.budgets import parse_size
+
+    environ = os.environ if environ is None else environ
+    raw = environ.get(HOST_MEMORY_ENV, "").strip()
+    if not raw or environ.get(RANK_CGROUP_ENV):
+        return None
+    try:
+        return parse_size(raw)
+    except ValueError as exc:
+        raise ValueError(f"{HOST_MEMORY_ENV}={raw!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class OomCounters:
+    """A memory cgroup's OOM evidence at one moment: the kernel's OOM kills and v1's failcnt.
+
+    ``source`` names the file ``oom_kill`` came from (``memory.events`` on v2,
+    ``memory.oom_control`` on v1); None fields are counters the group does not keep.
+    """
+
+    oom_kill: int | None
+    failcnt: int | None
+    source: str | None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_oom_counters(group: str | os.PathLike[str]) -> OomCounters:
+    """The group's ``oom_kill`` (v2 ``memory.events``, else v1 ``memory.oom_control``) and v1's
+    ``memory.failcnt``; fields the group does not have (or that cannot be read) are None."""
+    group = Path(group)
+    for name in ("memory.events", "memory.oom_control"):
+        try:
+            text = (group / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return OomCounters(int(value), _read_int(group / "memory.failcnt"), name)
+    return OomCounters(None, _read_int(group / "memory.failcnt"), None)
+
+
+def oom_kills_between(before: OomCounters, after: OomCounters) -> tuple[int, str] | None:
+    """How many OOM kills happened between two readings, and a note naming the counter; None if
+    none can be seen. A failcnt rise (no ``oom_kill`` kept) counts as one."""
+    if before.oom_kill is not None and after.oom_kill is not None:
+        if after.oom_kill > before.oom_kill:
+            return (
+                after.oom_kill - before.oom_kill,
+                f"{after.source} oom_kill {before.oom_kill} -> {after.oom_kill}",
+            )
+        return None
+    if before.failcnt is not None and after.failcnt is not None and after.failcnt > before.failcnt:
+        return 1, f"memory.failcnt {before.failcnt} -> {after.failcnt}"
+    return None
+
+
+def group_limit_bytes(group: str | os.PathLike[str]) -> int | None:
+    """The group's memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``); None if unlimited."""
+    group = Path(group)
+    for name in ("memory.max", "memory.limit_in_bytes"):
+        value = _read_int(group / name)
+        if value is not None:
+            return value if value < 2**62 else None  # v1 spells "no limit" as a huge number
+    return None
