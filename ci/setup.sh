@@ -55,7 +55,7 @@ if ! "$py" -c 'import torch' 2>/dev/null; then
     pip install torch==2.13.0
   fi
 fi
-extras=test
+extras="test"
 if [ "${KIT_SYSTEM_PYTHON:-0}" = "1" ] && "$py" -c 'import nvdlfw_inspect' 2>/dev/null; then
   echo "ci/setup.sh: keeping the interpreter's own nvdlfw-inspect" >&2
 else
@@ -72,6 +72,12 @@ elif ! "$py" -m pip --disable-pip-version-check -q install "megatron-core==$mcor
     "installing it with --no-deps --ignore-requires-python and its real dependencies" >&2
   pip install --no-deps --ignore-requires-python "megatron-core==$mcore"
   pip install 'numpy<2.5' 'packaging>=24.2' triton
+fi
+# unit/test_workflows.py runs actionlint with shellcheck on every workflow: a Debian package, not a
+# wheel. Installed here where we may (root with apt-get); elsewhere the test says what is missing.
+if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get install -y -q shellcheck || { apt-get update -q && apt-get install -y -q shellcheck; }; } >&2 ||
+    echo "ci/setup.sh: could not install shellcheck; unit/test_workflows.py will say so" >&2
 fi
 got=$("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))')
 if [ "$got" != "$mcore" ]; then
