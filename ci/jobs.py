@@ -74,6 +74,10 @@ _GPU_ENV = {
     "NCCL_DEBUG": "WARN",
 }
 
+# The nightly fault campaign runs its full count (functional/test_fault_campaign.py); a local
+# `ci/test.sh all` runs a shorter, still randomized, campaign.
+_NIGHTLY_ENV = {"KIT_FAULT_TRIALS": "200"}
+
 
 @dataclass(frozen=True)
 class Job:
@@ -143,7 +147,7 @@ def _row(tier: str, kind: str, timeout_minutes: int, megatron_core: str = MEGATR
             megatron_core=megatron_core,
             lint=tier == "L0",
             host_memory="7GB",
-            env={**_COMMON_ENV, **_CPU_ENV},
+            env={**_COMMON_ENV, **_CPU_ENV, **(_NIGHTLY_ENV if tier == "L2" else {})},
         )
     return Job(
         name=f"{tier}-gpu{suffix}",
