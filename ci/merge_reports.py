@@ -150,7 +150,32 @@ def merge(sources: list[Source]) -> dict[str, Any]:
         "duration_s": max(s.report["session"].get("duration_s") or 0 for s in sources),
         "markexpr": sources[0].report["session"].get("markexpr", ""),
     }
-    return build_report(session, list(rows.values()))
+    return _with_node_fields(build_report(session, list(rows.values())), list(rows.values()))
+
+
+def _with_node_fields(report: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The schema-checked report with what only a merge knows put back on each row.
+
+    `build_report` parses the rows through the typed schema (`megatron_testkit.schema`), which
+    keeps exactly the kit report's fields; a merged report adds ``node`` to each rank and to the
+    failure, and ``failures`` (every process' failure, with ``node``, ``process_rank`` and
+    ``report``). Readers of the kit schema ignore those extra keys.
+    """
+    by_id = {row["nodeid"]: row for row in rows}
+    for entry in report["tests"]:
+        merged = by_id[entry["nodeid"]]
+        entry["ranks"] = [
+            {**checked, "node": source["node"]}
+            for checked, source in zip(entry["ranks"], merged["ranks"], strict=True)
+        ]
+        if entry["failure"] is not None:
+            root = merged["failure"]
+            entry["failure"] = {
+                **entry["failure"],
+                **{k: root[k] for k in ("node", "process_rank", "report")},
+            }
+        entry["failures"] = merged["failures"]
+    return report
 
 
 def _empty_row(nodeid: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from fixtures import faults
+from fixtures.inner_session import inner_env
 
 pytestmark = pytest.mark.L2
 
@@ -75,8 +76,9 @@ def _run_inner(root: Path, trials: list[faults.Trial], mode: str, *pytest_args: 
     faults.save_trials(trials, plan)
     rows.mkdir(exist_ok=True)
     (root / "test_trials.py").write_text(INNER)
+    # The generated test imports `fixtures.faults`: the repository root goes on its PYTHONPATH.
     env = {
-        **os.environ,
+        **inner_env(),
         "KIT_FAULT_PLAN": str(plan),
         "KIT_FAULT_ROWS": str(rows),
         "KIT_FAULT_MODE": mode,

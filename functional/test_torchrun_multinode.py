@@ -41,7 +41,8 @@ NODE_TESTS = textwrap.dedent(
     import torch
     import torch.distributed as dist
 
-    from fixtures.ranks import run_ranks
+    # The installed kit, as on a real cluster (this repository's `fixtures` is not shipped).
+    from megatron_testkit.ranks import run_ranks
 
 
     def _interrupt(signum, frame):
