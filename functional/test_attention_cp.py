@@ -167,7 +167,7 @@ def te_vs_reference_worker(rank: int, world_size: int, cases: list) -> list[dict
     from fixtures.attention import bf16_attention_error_bounds, thd_attention
     from fixtures.data import cp_partition_index
     from fixtures.megatron import (
-        _call_with_supported_kwargs,
+        call_with_supported_kwargs,
         destroy_model_parallel,
         init_model_parallel,
         make_packed_seq_params,
@@ -189,7 +189,7 @@ def te_vs_reference_worker(rank: int, world_size: int, cases: list) -> list[dict
             config = shape.transformer_config(
                 ParallelConfig(cp=world_size), bf16=True, params_dtype=torch.bfloat16, kv_channels=dim
             )
-            te = _call_with_supported_kwargs(
+            te = call_with_supported_kwargs(
                 te_core_attention(),  # forwards pad_between_seqs on releases before 0.19
                 config=config,
                 layer_number=1,

@@ -191,7 +191,7 @@ def expected_checkpoint_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
 # |diff| ~1e-7 (relative ~3e-8), gradients |diff| <= 1.2e-7 with max |g| ~0.7 per tensor. The
 # tolerance (1e-5 relative to each tensor's largest gradient, 1e-6 on the loss) leaves ~50x
 # margin, while a wrong CP split or a missing K/V gather is off by 1e-3 in the loss and ~100% in
-# the gradients (research/cp_attention_feasibility.md, negative controls).
+# the gradients (measured with negative controls: a wrong split, a missing K/V gather).
 # bf16 on GPU (TE): 2e-2 relative on the loss and 5e-2 on gradient norms (estimates; not run here).
 TOLERANCES = {"gloo": {"loss": 1e-6, "grad": 1e-5}, "nccl": {"loss": 2e-2, "grad": 5e-2}}
 

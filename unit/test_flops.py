@@ -21,7 +21,7 @@ pytestmark = pytest.mark.L0
 
 def megatron_num_floating_point_operations(args, batch_size, seqlen_squared_sum=None):
     """Megatron-LM's `num_floating_point_operations` (transformer path), re-typed from
-    research/anchors_accounting.md and Megatron-LM training.py: T = B*s real tokens times the
+    Megatron-LM's training.py: T = B*s real tokens times the
     linear terms, plus Σsᵢ² (B*s² when dense) * attention layers * 6 * Q. Pass Fractions to keep
     the `/ 2 * 2` exact."""
     if not args.group_query_attention:

@@ -337,8 +337,8 @@ def test_version_guard_drops_keywords_the_installed_signature_lacks() -> None:
     def new(a, b=1, **kw):
         return (a, b, kw)
 
-    assert fm._call_with_supported_kwargs(old, a=1, b=2, c=3) == (1, 2)
-    assert fm._call_with_supported_kwargs(new, a=1, c=3) == (1, 1, {"c": 3})
+    assert fm.call_with_supported_kwargs(old, a=1, b=2, c=3) == (1, 2)
+    assert fm.call_with_supported_kwargs(new, a=1, c=3) == (1, 1, {"c": 3})
 
 
 def test_checkpoint_common_state_names_both_layouts_when_neither_is_there(tmp_path: Path) -> None:

@@ -26,8 +26,8 @@ from fixtures.training import (
     ParallelConfig,
     TrainConfig,
     Trainer,
-    _in_process_write_queue,
     checkpoint_dir,
+    in_process_write_queue,
 )
 
 pytestmark = [
@@ -68,12 +68,12 @@ def test_save_queue_patch_is_scoped_and_restored(monkeypatch: pytest.MonkeyPatch
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
     monkeypatch.setattr(fa, "_results_queue", None)  # as in a process that has not saved yet
-    with _in_process_write_queue():
+    with in_process_write_queue():
         assert isinstance(fa._results_queue, queue.Queue)
     assert fa._results_queue is None
     sentinel = object()  # a queue someone else created (an async save) is left alone
     monkeypatch.setattr(fa, "_results_queue", sentinel)
-    with _in_process_write_queue():
+    with in_process_write_queue():
         assert fa._results_queue is sentinel
     assert fa._results_queue is sentinel
 
