@@ -51,6 +51,12 @@ SCENARIOS = textwrap.dedent(
         time.sleep(600)
 
 
+    def exit0(rank, world_size):
+        if rank == 1:
+            os._exit(0)  # status 0, but the function never returned: no result, no record
+        return rank  # rank 0 has no collective: it returns at once
+
+
     def desync(rank, world_size):
         if rank == 0:
             dist.all_reduce(torch.ones(1))  # times out: rank 1 never joins
@@ -99,6 +105,10 @@ SCENARIOS = textwrap.dedent(
 
     def test_hang():
         run_ranks(hang, 2, timeout=20)
+
+
+    def test_exit0():
+        run_ranks(exit0, 2, timeout=120)
 
 
     @pytest.mark.timeout(12, method="signal")
@@ -205,6 +215,20 @@ def test_sigkilled_rank_is_a_crash_not_its_peers_connection_error(scenarios: dic
     assert row["duration_s"] < 30
 
 
+def test_a_rank_exiting_0_before_returning_is_a_crash_not_a_finished_rank(scenarios: dict[str, Any]) -> None:
+    # Not a FileNotFoundError on rank1.result, not "finished": rank 1 is named, with its status.
+    failure = _failure(scenarios, "test_exit0")
+    assert (failure["rank"], failure["kind"]) == (1, "crash"), failure["message"][-3000:]
+    assert failure["first_line"].startswith("rank 1 crash: exited with code 0 before returning")
+    assert "FileNotFoundError" not in failure["message"]
+    row = scenarios["rows"]["test_exit0"]
+    assert row["ranks"][1]["exit_code"] == 0 and row["ranks"][1]["signal"] is None
+    # The failed launch keeps its rank logs (named in the report), without the result files.
+    log_dir = Path(row["log_dir"])
+    assert (log_dir / "rank1.log").exists()
+    assert list(log_dir.glob("rank*.result")) == []
+
+
 def test_sleeping_pair_is_a_hang_with_both_stacks(scenarios: dict[str, Any]) -> None:
     failure = _failure(scenarios, "test_hang")
     assert failure["kind"] == "hang"
@@ -273,6 +297,7 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
         "test_oom",
         "test_crash",
         "test_hang",
+        "test_exit0",
         "test_error",
         "test_desync",
         "test_interrupted_by_pytest_timeout",
@@ -283,7 +308,7 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
         "test_budget_below_the_startup_footprint",
         "test_budget_below_a_known_footprint_is_refused_at_launch",
     }
-    assert report["session"]["outcome_counts"] == {"passed": 3, "failed": 9, "skipped": 0, "error": 0}
+    assert report["session"]["outcome_counts"] == {"passed": 3, "failed": 10, "skipped": 0, "error": 0}
     assert "-n" in report["session"]["pytest_args"]
     assert rows["test_without_ranks"]["world_size"] == 0
     assert rows["test_without_ranks"]["ranks"] == []

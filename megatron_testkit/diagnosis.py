@@ -3,8 +3,8 @@
 Pure functions over `RankRecord`s, so the rules are unit-testable without spawning anything.
 The rules, in order:
 
-1. A rank that failed on its own (an exception that is not a knock-on, a signal, a non-zero exit
-   without a record) is a root-cause candidate; the earliest by time wins.
+1. A rank that failed on its own (an exception that is not a knock-on, a signal, an exit without
+   a record, status 0 included) is a root-cause candidate; the earliest by time wins.
 2. A knock-on failure (a collective that failed because a peer went away: gloo's "Connection
    closed by peer", NCCL's "communicator was aborted") is the root cause only when nothing else
    failed; the dead peer is the story, not the survivor that noticed.
@@ -86,6 +86,8 @@ class RankRecord:
             return f"killed by {self.signal}{hint}"
         if self.exit_code not in (None, 0):
             return f"exited with code {self.exit_code} without a Python exception"
+        if self.exit_code == 0 and self.status == "failed":
+            return "exited with code 0 before returning (no result, no record)"
         return self.status
 
     def peak(self) -> RankPeak:

@@ -309,6 +309,12 @@ def run(spec: dict[str, Any], rank: int) -> None:
         with open(state.run_dir / f"rank{rank}.result", "wb") as f:
             pickle.dump(result, f)
         if dist.is_initialized():
+            if world_size > 1:
+                # Every rank past init and out of the function before any tears its group down: a
+                # rank that finishes first (a function without collectives) would otherwise close
+                # its sockets while a peer is still connecting to it. A peer that died makes this
+                # fail fast (its sockets are closed), as a knock-on the diagnosis sees through.
+                dist.barrier()
             dist.destroy_process_group()
     except BaseException as exc:
         state.fail(exc, "oom" if isinstance(exc, MemoryError) else None)

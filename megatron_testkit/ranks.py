@@ -236,8 +236,12 @@ class _RankProcess:
     rss: int | None = None  # sampled each poll under KIT_HOST_MEMORY
     runner_oom: str | None = None  # why the launcher killed it for the runner's memory limit
 
-    def poll(self, sample_rss: bool = False) -> bool:
-        """Sample the peak (and the RSS); note an exit. True when the rank has just failed."""
+    def poll(self, sample_rss: bool = False, record: Path | None = None) -> bool:
+        """Sample the peak (and the RSS); note an exit. True when the rank has just failed.
+
+        A rank that exits with status 0 has finished only if it left its ``record`` (the worker
+        writes it just before exiting): ``os._exit(0)`` inside the function is a failure.
+        """
         peak = procfs.peak_rss_bytes(self.proc.pid)
         if peak is not None:
             self.sampled_peak = max(peak, self.sampled_peak or 0)
@@ -247,8 +251,9 @@ class _RankProcess:
         if rc is None:
             return False
         self.exit_time = time.time()
-        self.status = "ok" if rc == 0 else "failed"
-        return rc != 0
+        finished = rc == 0 and (record is None or record.exists())
+        self.status = "ok" if finished else "failed"
+        return not finished
 
     def record(self, run_dir: Path) -> RankRecord:
         """Everything the rank left behind (its record, state, stacks, log), as a `RankRecord`."""
@@ -260,6 +265,9 @@ class _RankProcess:
         rec.log_path = str(run_dir / f"rank{self.rank}.log")
         rec.peak_host_bytes = self.sampled_peak
         path = run_dir / f"rank{self.rank}.json"
+        if rc == 0 and not path.exists():
+            # Exited with status 0 but never got to write its record: it did not return.
+            rec.status = "failed"
         if path.exists():
             data = json.loads(path.read_text())
             for key in ("exc_type", "exc_message", "traceback", "kind_hint", "last_collective"):
@@ -390,7 +398,8 @@ class _Launch:
         while True:
             now = time.monotonic()
             for r in self.running():
-                if r.poll(sample_rss=self.host_limit is not None) and first_failure is None:
+                record = self.run_dir / f"rank{r.rank}.json"
+                if r.poll(sample_rss=self.host_limit is not None, record=record) and first_failure is None:
                     first_failure = now
             if self.host_limit is not None:
                 self.enforce_host_limit(self.host_limit)
@@ -523,12 +532,19 @@ class _Launch:
         traces = flight_recorder.read_dumps(stem, range(self.world_size))
         return flight_recorder.diagnose(traces, self.world_size) if traces else []
 
-    def results(self) -> list[Any]:
-        """Every rank's return value, in rank order."""
+    def results(self, records: list[RankRecord]) -> list[Any] | RankFailure:
+        """Every rank's return value, in rank order; a `RankFailure` naming a rank that left none."""
         out = []
-        for r in self.ranks:
-            with open(self.run_dir / f"rank{r.rank}.result", "rb") as f:
-                out.append(pickle.load(f))
+        for r, rec in zip(self.ranks, records, strict=True):
+            try:
+                with open(self.run_dir / f"rank{r.rank}.result", "rb") as f:
+                    out.append(pickle.load(f))
+            except (OSError, EOFError, pickle.UnpicklingError) as exc:
+                rec.status, rec.exc_type = "failed", type(exc).__name__
+                rec.exc_message = f"rank {r.rank} finished but its result could not be read: {exc}"
+                failure = self.diagnose(records, hung=False)
+                assert failure is not None
+                return failure
         return out
 
     def close(self) -> int:
@@ -622,7 +638,10 @@ def run_ranks(
             failure = launch.diagnose(records, hung)
         except BudgetBelowFootprint as exc:
             failure = exc
-        results = launch.results() if failure is None else []
+        results: list[Any] = []
+        if failure is None:
+            read = launch.results(records)
+            failure, results = (read, []) if isinstance(read, RankFailure) else (None, read)
     finally:
         leaked = launch.close()
     launch.report(records, failure, leaked)
