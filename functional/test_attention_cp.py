@@ -21,6 +21,7 @@ import random
 import pytest
 import torch
 
+from fixtures.attention_te import te_vs_reference_worker
 from fixtures.ranks import run_ranks
 
 # Head dims TE can run THD + CP + padding with. Only cuDNN's fused attention takes that case: TE
@@ -152,102 +153,6 @@ def test_te_cases_have_a_te_backend_and_include_a_pack_te_would_misread() -> Non
         inferred = not torch.equal(cu_pad[:-1], cu[:-1])
         tail_only += (not inferred) and real != padded
     assert tail_only >= 2, "the TE cases lost their tail-only packs"
-
-
-def te_vs_reference_worker(rank: int, world_size: int, cases: list) -> list[dict[str, float]]:
-    """TE's THD + CP attention vs the reference on the same bf16 shards, per real-token element.
-
-    Returns per case and tensor the largest error divided by its bf16 bound
-    (`bf16_attention_error_bounds`), and the largest absolute error.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from fixtures.attention import bf16_attention_error_bounds, thd_attention
-    from fixtures.data import cp_partition_index
-    from fixtures.megatron import (
-        call_with_supported_kwargs,
-        destroy_model_parallel,
-        init_model_parallel,
-        make_packed_seq_params,
-        te_core_attention,
-    )
-    from fixtures.training import ModelConfig, ParallelConfig
-
-    torch.cuda.set_device(rank)
-    init_model_parallel(1, 1, world_size)
-    results = []
-    try:
-        for real, padded, heads, groups, dim, seed in cases:
-            shape = ModelConfig(
-                hidden_size=heads * dim,
-                num_attention_heads=heads,
-                num_query_groups=groups,
-                ffn_hidden_size=64,
-            )
-            config = shape.transformer_config(
-                ParallelConfig(cp=world_size), bf16=True, params_dtype=torch.bfloat16, kv_channels=dim
-            )
-            te = call_with_supported_kwargs(
-                te_core_attention(),  # forwards pad_between_seqs on releases before 0.19
-                config=config,
-                layer_number=1,
-                attn_mask_type=AttnMaskType.causal,
-                attention_type="self",
-                cp_comm_type="p2p",
-            )
-            cu_real, cu_pad = _cu(real).cuda(), _cu(padded).cuda()
-            t = int(cu_pad[-1])
-            g = torch.Generator().manual_seed(seed)
-            # bf16-representable inputs and output gradient: TE and the reference see the same
-            # values, so the comparison measures TE's arithmetic, not the rounding of its inputs.
-            full = [torch.randn(t, n, dim, generator=g).bfloat16().float() for n in (heads, groups, groups)]
-            w = torch.randn(t, heads * dim, generator=g).bfloat16().float()
-            idx = cp_partition_index(cu_pad.cpu(), world_size, ps.get_context_parallel_rank())
-            # Which local tokens are real: in-sequence position < real length.
-            seq = torch.searchsorted(cu_pad.cpu(), idx, right=True) - 1
-            real_mask = (idx - cu_pad.cpu()[seq]) < (cu_real.cpu()[1:] - cu_real.cpu()[:-1])[seq]
-            psp = make_packed_seq_params(
-                qkv_format="thd",
-                cu_seqlens_q=cu_real,
-                cu_seqlens_kv=cu_real,
-                cu_seqlens_q_padded=cu_pad,
-                cu_seqlens_kv_padded=cu_pad,
-                max_seqlen_q=max(padded),
-                max_seqlen_kv=max(padded),
-            )
-            # The bound, from the whole pack with padding gradients zero (only real tokens count).
-            token_real = torch.zeros(t, dtype=torch.bool)
-            token_real[idx] = real_mask
-            do_full = (w * token_real[:, None]).reshape(t, heads, dim)
-            bounds = bf16_attention_error_bounds(*full, do_full, cu_pad.cpu(), cp_size=world_size)
-            outs, grads = [], []
-            for impl in ("te", "ref"):
-                dtype = torch.bfloat16 if impl == "te" else torch.float32
-                q, k, v = (x[idx].to("cuda", dtype).requires_grad_() for x in full)
-                if impl == "te":
-                    out = te(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=psp)
-                else:
-                    out = thd_attention(q, k, v, cu_pad, cp_group=ps.get_context_parallel_group()).flatten(1)
-                out = out.reshape(len(idx), -1)
-                (out.float() * w[idx].cuda() * real_mask.cuda()[:, None]).sum().backward()
-                outs.append(out.float().reshape(len(idx), heads, dim)[real_mask.cuda()])
-                grads.append([x.grad.float()[real_mask.cuda()] for x in (q, k, v)])
-            res: dict[str, float] = {}
-            pairs = [("out", outs[0], outs[1])]
-            pairs += [(n, a, b) for n, a, b in zip(("dq", "dk", "dv"), grads[0], grads[1], strict=True)]
-            for name, a, b in pairs:
-                err = (a - b).abs().cpu().double()
-                bound = bounds[name][idx][real_mask]
-                res[name] = err.max().item()
-                # fp32 reference's own error and fp32 accumulation: a floor far below bf16's u.
-                res[f"{name}_ratio"] = (err / (bound + 1e-6)).max().item()
-            results.append(res)
-            dist.barrier()
-    finally:
-        destroy_model_parallel()
-    return results
 
 
 @pytest.mark.L0

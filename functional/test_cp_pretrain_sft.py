@@ -456,4 +456,6 @@ def test_te_attention_matches_the_reference_on_the_sft_packs(cp_run: CPRun) -> N
     ]
     for results in run_ranks(te_vs_reference_worker, 2, backend="nccl", args=(cases,), timeout=300):
         for res in results:
-            assert res["out"] < 3e-2 and max(res["dq"], res["dk"], res["dv"]) < 6e-2, res
+            # Within 2x the first-order bf16 bound per element (derivation in fixtures/attention.py);
+            # fixed absolute tolerances were too tight for dk/dv and blind to a misread split.
+            assert max(res[f"{key}_ratio"] for key in ("out", "dq", "dk", "dv")) <= 2.0, res
