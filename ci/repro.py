@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
@@ -31,13 +30,14 @@ from ci.verdicts import (
     ReportError,
     Verdict,
     failed_tests,
+    format_comparison,
     format_verdicts,
     junit_first_lines,
     load_report,
     tests_by_id,
     verdict,
 )
-from fixtures.budgets import format_size, parse_size
+from megatron_testkit.budgets import format_size, parse_size
 
 PROG = "python -m ci repro"
 
@@ -368,53 +368,6 @@ def execute(p: Plan, limit_method: str) -> int:
         _say("pytest collected no tests: that is a failure here, as in CI")
         return 1
     return returncode if returncode >= 0 else 128 - returncode
-
-
-def _launched_ranks(v: Verdict) -> bool:
-    return bool(v.world_size) or v.peak_host is not None or v.peak_device is not None
-
-
-def format_comparison(
-    ci: list[Verdict], local: dict[str, Verdict], stale: Collection[str] = (), width: int = 160
-) -> str:
-    """For each test that failed in CI: the CI verdict next to the local one, then what differs.
-
-    A stale id (no such test here any more) says so instead of "not run"; a test that launched no
-    ranks has no seed, world size or rank peaks to compare, and says that instead.
-    """
-    lines = []
-    for v in ci:
-        here = local.get(v.nodeid)
-        lines.append(v.nodeid)
-        lines.append(f"    CI:    {v.outcome:<7} {v.cause:<16} {_clip(v.first_line, width)}".rstrip())
-        if v.nodeid in stale:
-            lines.append("    local: skipped: no such test here (renamed or removed since the CI run)")
-            continue
-        if here is None:
-            lines.append("    local: not run (deselected, or skipped at collection?)")
-            continue
-        lines.append(
-            f"    local: {here.outcome:<7} {here.cause:<16} {_clip(here.first_line, width)}".rstrip()
-        )
-        if not (_launched_ranks(v) or _launched_ranks(here)):
-            lines.append(
-                "    in the pytest process (the test launched no ranks): no seed, world size or rank memory"
-            )
-            continue
-        lines.append(f"    memory CI: {v.memory()}; local: {here.memory()}")
-        notes = []
-        if here.seed != v.seed:
-            notes.append(f"seed differs: CI {v.seed}, local {here.seed}")
-        if here.world_size != v.world_size:
-            notes.append(f"world size differs: CI {v.world_size}, local {here.world_size}")
-        lines.append(
-            "    " + ("; ".join(notes) if notes else f"same seed ({v.seed}) and world size ({v.world_size})")
-        )
-    return "\n".join(lines)
-
-
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def run(argv: list[str]) -> int:

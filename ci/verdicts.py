@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,19 +186,37 @@ def format_verdicts(verdicts: list[Verdict], width: int = 160) -> str:
     return "\n".join(lines)
 
 
-def format_comparison(ci: list[Verdict], local: dict[str, Verdict], width: int = 160) -> str:
-    """For each test that failed in CI: the CI verdict next to the local one, then what differs."""
+def _launched_ranks(v: Verdict) -> bool:
+    return bool(v.world_size) or v.peak_host is not None or v.peak_device is not None
+
+
+def format_comparison(
+    ci: list[Verdict], local: dict[str, Verdict], stale: Collection[str] = (), width: int = 160
+) -> str:
+    """For each test that failed in CI: the CI verdict next to the local one, then what differs.
+
+    A stale id (no such test here any more) says so instead of "not run"; a test that launched no
+    ranks has no seed, world size or rank peaks to compare, and says that instead.
+    """
     lines = []
     for v in ci:
         here = local.get(v.nodeid)
         lines.append(v.nodeid)
         lines.append(f"    CI:    {v.outcome:<7} {v.cause:<16} {_clip(v.first_line, width)}".rstrip())
+        if v.nodeid in stale:
+            lines.append("    local: skipped: no such test here (renamed or removed since the CI run)")
+            continue
         if here is None:
-            lines.append("    local: not run (not collected: renamed, deselected or skipped at collection?)")
+            lines.append("    local: not run (deselected, or skipped at collection?)")
             continue
         lines.append(
             f"    local: {here.outcome:<7} {here.cause:<16} {_clip(here.first_line, width)}".rstrip()
         )
+        if not (_launched_ranks(v) or _launched_ranks(here)):
+            lines.append(
+                "    in the pytest process (the test launched no ranks): no seed, world size or rank memory"
+            )
+            continue
         lines.append(f"    memory CI: {v.memory()}; local: {here.memory()}")
         notes = []
         if here.seed != v.seed:

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from accounting import FlopsAccumulator
+from ci import bench_accounting
+from ci.bench_accounting import syncing_stats  # the loop is also the oracle
 
 pytestmark = [pytest.mark.L2]
 
@@ -19,26 +21,9 @@ ROWS = 4
 PACK_LEN = 8192 * 8
 
 
-def syncing_stats(cu_seqlens: torch.Tensor) -> tuple[int, int, int]:
-    """The straightforward version: documents, tokens, sum of squared lengths, by a Python loop."""
-    tokens = squared = docs = 0
-    for row in cu_seqlens.tolist():
-        last = 0
-        for value in row[1:]:
-            if value < 0:
-                break
-            length = value - last
-            tokens, squared, docs = tokens + length, squared + length * length, docs + (length > 0)
-            last = value
-    return docs, tokens, squared
-
-
 def make_pack(docs: int) -> torch.Tensor:
     """``ROWS`` rows of ``docs`` random-length documents each, plus a -1 tail of 2 entries."""
-    gen = torch.Generator().manual_seed(docs)
-    lengths = torch.randint(1, max(2, PACK_LEN // docs), (ROWS, docs), generator=gen)
-    cu = torch.cat([torch.zeros(ROWS, 1, dtype=torch.int64), lengths.cumsum(-1)], dim=-1)
-    return torch.cat([cu, torch.full((ROWS, 2), -1, dtype=torch.int64)], dim=-1).to(torch.int32)
+    return bench_accounting.make_pack(docs, ROWS, PACK_LEN)
 
 
 @pytest.fixture(autouse=True)
