@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from accounting import ModelShape
+from accounting import ModelShape, SeqlenStats, seqlen_stats
 
 __all__ = [
     "DTYPES",
@@ -36,6 +36,7 @@ __all__ = [
     "memory_report_keys",
     "memory_reports",
     "model_shapes",
+    "pack_stats",
     "packs",
     "rank_memory_reports",
     "raw_boundaries",
@@ -53,6 +54,11 @@ def cu_from_lengths(lengths: list[int], width: int, form: str) -> list[int]:
         cu.append(cu[-1] + length)
     fill = -1 if form == "sentinel" else cu[-1]
     return cu + [fill] * (width - len(cu))
+
+
+def pack_stats(lengths: list[int]) -> SeqlenStats:
+    """`seqlen_stats` of one unpadded pack of documents of these lengths."""
+    return seqlen_stats(torch.tensor(cu_from_lengths(lengths, len(lengths) + 1, "repeat")))
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,11 @@ import dataclasses
 from fractions import Fraction
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting import ModelShape, SeqlenStats, seqlen_stats, training_flops
-from unit.strategies import doc_lengths
+from accounting import ModelShape, SeqlenStats, training_flops
+from unit.strategies import doc_lengths, pack_stats
 
 pytestmark = pytest.mark.L0
 
@@ -83,23 +82,16 @@ def oracle(s: ModelShape, lengths: list[int]) -> Fraction:
     return total
 
 
-def _pack(lengths):
-    cu = [0]
-    for x in lengths:
-        cu.append(cu[-1] + x)
-    return seqlen_stats(torch.tensor(cu))
-
-
 @given(gdn_shapes(), doc_lengths(min_docs=1, max_docs=5, max_len=40))
 @settings(max_examples=60)
 def test_gdn_training_flops_equal_the_recurrence_oracle(shape, lengths):
-    assert training_flops(shape, _pack(lengths)).total == oracle(shape, lengths)
+    assert training_flops(shape, pack_stats(lengths)).total == oracle(shape, lengths)
 
 
 @given(gdn_shapes(), doc_lengths(min_docs=1, max_docs=5, max_len=40))
 @settings(max_examples=30)
 def test_gdn_model_flops_of_a_pack_equal_the_sum_of_its_documents_alone(shape, lengths):
-    whole = training_flops(shape, _pack(lengths)).total
+    whole = training_flops(shape, pack_stats(lengths)).total
     assert whole == sum(training_flops(shape, SeqlenStats.dense(1, x)).total for x in lengths)
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting import ModelShape, SeqlenStats, seqlen_stats, training_flops
-from unit.strategies import doc_lengths
+from accounting import ModelShape, SeqlenStats, training_flops
+from unit.strategies import doc_lengths, pack_stats
 
 pytestmark = pytest.mark.L0
 
@@ -77,23 +76,18 @@ def oracle(s: ModelShape, lengths: list[int], frozen: bool = False) -> Fraction:
     return total
 
 
-def _pack(lengths):
-    cu = [0]
-    for x in lengths:
-        cu.append(cu[-1] + x)
-    return seqlen_stats(torch.tensor(cu))
-
-
 @given(hybrid_shapes(), doc_lengths(min_docs=1, max_docs=5, max_len=40), st.booleans())
 @settings(max_examples=60)
 def test_hybrid_training_flops_equal_the_symbol_by_symbol_oracle(shape, lengths, frozen):
-    assert training_flops(shape, _pack(lengths), frozen_base=frozen).total == oracle(shape, lengths, frozen)
+    assert training_flops(shape, pack_stats(lengths), frozen_base=frozen).total == oracle(
+        shape, lengths, frozen
+    )
 
 
 @given(hybrid_shapes(), doc_lengths(min_docs=1, max_docs=5, max_len=40))
 @settings(max_examples=30)
 def test_hybrid_model_flops_of_a_pack_equal_the_sum_of_its_documents_alone(shape, lengths):
-    whole = training_flops(shape, _pack(lengths)).total
+    whole = training_flops(shape, pack_stats(lengths)).total
     assert whole == sum(training_flops(shape, SeqlenStats.dense(1, x)).total for x in lengths)
 
 

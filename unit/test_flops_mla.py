@@ -14,12 +14,11 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting import LoraAdapter, ModelShape, SeqlenStats, seqlen_stats, training_flops
-from unit.strategies import doc_lengths
+from accounting import LoraAdapter, ModelShape, SeqlenStats, training_flops
+from unit.strategies import doc_lengths, pack_stats
 
 pytestmark = pytest.mark.L0
 
@@ -100,17 +99,10 @@ def oracle(s: ModelShape, lengths: list[int], frozen: bool = False) -> Fraction:
     return w * 2 * per_token * tokens + 3 * 2 * pair * pairs
 
 
-def _pack(lengths: list[int]) -> SeqlenStats:
-    cu = [0]
-    for x in lengths:
-        cu.append(cu[-1] + x)
-    return seqlen_stats(torch.tensor(cu))
-
-
 @given(mla_shapes(), doc_lengths(min_docs=1, max_docs=5, max_len=40), st.booleans())
 @settings(max_examples=60)
 def test_mla_training_flops_equal_the_matrix_by_matrix_oracle(shape, lengths, frozen):
-    got = training_flops(shape, _pack(lengths), frozen_base=frozen)
+    got = training_flops(shape, pack_stats(lengths), frozen_base=frozen)
     assert got.total == oracle(shape, lengths, frozen)
     assert got.terms["attention_projections"] == 0 and got.terms["mla_projections"] > 0
 
@@ -118,7 +110,7 @@ def test_mla_training_flops_equal_the_matrix_by_matrix_oracle(shape, lengths, fr
 @given(mla_shapes(), doc_lengths(min_docs=1, max_docs=5, max_len=40))
 @settings(max_examples=40)
 def test_mla_model_flops_of_a_pack_equal_the_sum_of_its_documents_alone(shape, lengths):
-    whole = training_flops(shape, _pack(lengths)).total
+    whole = training_flops(shape, pack_stats(lengths)).total
     assert whole == sum(training_flops(shape, SeqlenStats.dense(1, x)).total for x in lengths)
 
 
@@ -208,7 +200,7 @@ def lora_macs(s: ModelShape, rank: int, targets) -> int:
 )
 def test_a_frozen_base_drops_weight_gradients_and_the_adapter_trains(lengths, rank, targets):
     got = training_flops(
-        DENSE, _pack(lengths), frozen_base=True, adapter=LoraAdapter(rank=rank, targets=targets)
+        DENSE, pack_stats(lengths), frozen_base=True, adapter=LoraAdapter(rank=rank, targets=targets)
     )
     tokens, pairs = sum(lengths), sum(Fraction(x * x, 2) for x in lengths)
     q = DENSE.kv_channels * DENSE.num_attention_heads
