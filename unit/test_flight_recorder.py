@@ -26,7 +26,9 @@ import torch.distributed as dist
 from megatron_testkit import flight_recorder as fr
 
 _ONE_RANK_RUN = """
+import pickle
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -39,6 +41,15 @@ t = torch.ones(3, 5)
 dist.all_reduce(t)
 dist.broadcast(t, 0)
 dist.all_reduce(t, group=sub)
+# gloo marks a collective completed from its own thread, after the call returns: wait until every
+# group's last enqueued collective shows as completed, or the two dumps below can differ.
+deadline = time.monotonic() + 60
+while True:
+    status = pickle.loads(torch._C._distributed_c10d._dump_fr_trace()).get("pg_status", {})
+    if all(s["last_completed_collective"] == s["last_enqueued_collective"] for s in status.values()):
+        break
+    assert time.monotonic() < deadline, status
+    time.sleep(0.01)
 open(out + "/dump.pkl", "wb").write(torch._C._distributed_c10d._dump_fr_trace())
 open(out + "/dump.json", "wb").write(torch._C._distributed_c10d._dump_fr_trace_json())
 dist.destroy_process_group()
