@@ -4,8 +4,8 @@
 # it prints there; everything else goes to stderr), so callers run `py=$(bash ci/setup.sh)`.
 #
 # The release is KIT_MEGATRON_CORE (default: the newest release the registry serves, below). Each
-# release has its own venv: `.venv` for the default, `.venv-mcore-<release>` for any other (KIT_VENV
-# overrides the path). megatron-core 0.17+ declares Requires-Python >=3.12: on 3.12+ it is a plain
+# release has its own venv: `.venv` for the default, `.venv-mcore-<release>` for any other (an overlay
+# over `.venv` holding only that megatron-core; KIT_VENV=path makes a full venv there instead). megatron-core 0.17+ declares Requires-Python >=3.12: on 3.12+ it is a plain
 # install; on an older Python it is installed with --no-deps --ignore-requires-python and then its
 # real dependencies (numpy, packaging, and triton, which `megatron.core.models.gpt` imports without
 # declaring it). CPU machines get torch==2.13.0 first: a bare `torch` requirement would pull a
@@ -22,6 +22,36 @@ mcore=${KIT_MEGATRON_CORE:-$newest}
 if ! [[ $mcore =~ ^[0-9]+(\.[0-9]+)*([a-z0-9.+-]*)$ ]]; then
   echo "ci/setup.sh: KIT_MEGATRON_CORE='$mcore' is not a release number (e.g. 0.19.2 or 0.16.1)" >&2
   exit 2
+fi
+
+# Another release than the newest, in the default place: an overlay venv over `.venv` (the newest
+# release's), holding only that megatron-core. Everything else (torch, the kit, its extras) is
+# `.venv`'s, reached through a .pth file, so a second release costs seconds, not a second 2 GB install.
+# Its own megatron-core comes first on sys.path (`megatron` is a namespace package: the first
+# `megatron/core` found wins) and is the one importlib.metadata reports.
+if [ "${KIT_SYSTEM_PYTHON:-0}" != "1" ] && [ -z "${KIT_VENV:-}" ] && [ "$mcore" != "$newest" ]; then
+  base_py=$(KIT_MEGATRON_CORE=$newest bash ci/setup.sh)
+  venv=.venv-mcore-$mcore
+  [ -x "$venv/bin/python" ] || "$("$base_py" -c 'import sys; print(sys._base_executable)')" -m venv --without-pip "$venv" >&2
+  py=$venv/bin/python
+  site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  base_site=$("$base_py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  want="$( (cat pyproject.toml ci/setup.sh; echo "megatron-core==$mcore") | sha256sum | cut -c1-16) overlay megatron-core==$mcore"
+  if [ "$(cat "$venv/.kit-installed" 2>/dev/null || true)" != "$want" ]; then
+    echo "ci/setup.sh: megatron-core $mcore in the overlay $venv over $(dirname "$base_py")/.." >&2
+    rm -rf "${site:?}"/megatron "$site"/megatron_core-*.dist-info
+    echo "import site; site.addsitedir('$(cd "$base_site" && pwd)')" >"$site/_kit_base_venv.pth"
+    "$base_py" -m pip --disable-pip-version-check -q install --no-deps --ignore-requires-python \
+      --target "$site" "megatron-core==$mcore" >&2
+    got=$("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))')
+    if [ "$got" != "$mcore" ]; then
+      echo "ci/setup.sh: asked for megatron-core $mcore, the overlay $venv has $got" >&2
+      exit 1
+    fi
+    echo "$want" >"$venv/.kit-installed"
+  fi
+  echo "$py"
+  exit 0
 fi
 
 if [ "${KIT_SYSTEM_PYTHON:-0}" = "1" ]; then
