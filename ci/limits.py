@@ -34,7 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fixtures.budgets import format_size
-from megatron_testkit.runner_limit import RANK_CGROUP_ENV, rank_over_limit, read_oom_counters
+from megatron_testkit.runner_limit import (
+    RANK_CGROUP_ENV,
+    cgroup_mounts,
+    own_cgroup,
+    rank_over_limit,
+    read_oom_counters,
+)
 
 __all__ = [
     "METHODS",
@@ -171,35 +177,6 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _mounts() -> list[tuple[str, str, set[str]]]:
-    """(mount point, fs type, options) of every cgroup mount."""
-    out = []
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        parts = line.split()
-        if len(parts) >= 4 and parts[2] in ("cgroup", "cgroup2"):
-            out.append((parts[1], parts[2], set(parts[3].split(","))))
-    return out
-
-
-def _own_cgroup(controller: str | None, pid: int | str = "self") -> str | None:
-    """A process's path in the v2 hierarchy (controller None) or in the v1 hierarchy of `controller`."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controller is None and controllers == "":
-            return path
-        if controller is not None and controller in controllers.split(","):
-            return path
-    return None
-
-
 def _make_child(parent: Path, files: dict[str, str]) -> Path:
     """Create `parent/kit-repro-<pid>` and write `files` into it; raise OSError with the reason."""
     if not parent.is_dir():
@@ -223,8 +200,8 @@ def _make_child(parent: Path, files: dict[str, str]) -> Path:
 
 
 def _cgroup2(limit: int) -> MemoryLimit:
-    mount = next((m for m, kind, _ in _mounts() if kind == "cgroup2"), None)
-    own = _own_cgroup(None)
+    mount = next((m for m, kind, _ in cgroup_mounts() if kind == "cgroup2"), None)
+    own = own_cgroup(None)
     if mount is None or own is None:
         raise OSError("no cgroup2 mount")
     parent = Path(mount) / own.lstrip("/")
@@ -236,8 +213,8 @@ def _cgroup2(limit: int) -> MemoryLimit:
 
 
 def _cgroup1(limit: int) -> MemoryLimit:
-    mount = next((m for m, kind, opts in _mounts() if kind == "cgroup" and "memory" in opts), None)
-    own = _own_cgroup("memory")
+    mount = next((m for m, kind, opts in cgroup_mounts() if kind == "cgroup" and "memory" in opts), None)
+    own = own_cgroup("memory")
     if mount is None or own is None:
         raise OSError("no cgroup v1 memory hierarchy")
     parent = Path(mount) / own.lstrip("/")
@@ -268,9 +245,9 @@ def _systemd_run(limit: int) -> MemoryLimit:
         raise OSError(f"systemd-run: {reason}")
     holder = subprocess.Popen([*prefix, "--", "sleep", "infinity"], stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
-    mount = next((m for m, kind, _ in _mounts() if kind == "cgroup2"), None)
+    mount = next((m for m, kind, _ in cgroup_mounts() if kind == "cgroup2"), None)
     while time.monotonic() < deadline:
-        path = _own_cgroup(None, holder.pid)
+        path = own_cgroup(None, holder.pid)
         if mount and path and path.endswith(".scope"):
             return MemoryLimit(
                 "systemd-run", limit, f"transient scope {path} with MemoryMax",

@@ -3,8 +3,9 @@
 Real ranks, real memory: rank 1 grows (touched pages, 8 MiB every 20 ms) while rank 0 waits in a
 barrier. With ``KIT_HOST_MEMORY`` the launcher kills it on the ranks' summed RSS (the env method);
 with ``KIT_RANK_CGROUP`` the ranks join a real memory cgroup at start and the kernel's OOM killer
-kills it, which the launcher reads from the group's counters. The limit is the ranks' measured idle
-footprint plus 150 MiB, so it is crossed only by the growth.
+kills it, which the launcher reads from the group's counters; with neither, the launcher reads the
+memory cgroup it runs in (a container's or a CI job's), here a fresh one it is moved into. The limit
+is the measured idle footprint plus 150 MiB, so it is crossed only by the growth.
 """
 
 from __future__ import annotations
@@ -123,3 +124,65 @@ def test_a_kernel_oom_kill_in_the_ranks_cgroup_is_named_oom_not_crash(rank_cgrou
     # pytest (this process) stayed outside the group: it survived to see the verdict.
     with open(os.path.join(rank_cgroup, "cgroup.procs")) as f:
         assert str(os.getpid()) not in f.read().split()
+
+
+# The launcher (not pytest) runs in a fresh memory cgroup with no KIT_RANK_CGROUP, as on a CI runner
+# or in a container whose own limit is the one crossed: its ranks are born in that group, and the
+# launcher reads the group it finds itself in. The limit is set from inside, once the launcher's own
+# footprint is known: its RSS + the two idle ranks' + the headroom.
+_LAUNCHER_IN_ITS_OWN_CGROUP = """
+import json, os, sys
+from pathlib import Path
+
+group, idle, headroom = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+(group / "cgroup.procs").write_text(str(os.getpid()))
+from megatron_testkit.procfs import current_rss_bytes
+from megatron_testkit.ranks import RankFailure, run_ranks
+from functional.test_launcher_runner_limit import grow
+
+limit = current_rss_bytes() + idle + headroom
+for name in ("memory.max", "memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+    if (group / name).exists():
+        (group / name).write_text(str(limit))
+try:
+    run_ranks(grow, 2, backend="gloo", timeout=120, args=(600,))
+    print(json.dumps({"raised": False}))
+except RankFailure as failure:
+    print(json.dumps({"raised": True, "rank": failure.rank, "kind": failure.kind,
+                      "first": str(failure).splitlines()[0], "signal": failure.records[1].signal}))
+"""
+
+
+def test_a_kernel_oom_kill_in_the_launchers_own_cgroup_is_named_oom_not_crash(limit: int) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from ci.limits import apply_memory_limit
+
+    group = apply_memory_limit(8 << 30)  # made here; the launcher lowers it from inside
+    if group.cgroup is None:
+        group.close()
+        pytest.skip(
+            f"no writable memory cgroup on this machine (the KIT_HOST_MEMORY variant runs): {group.describe()}"
+        )
+    env = {k: v for k, v in os.environ.items() if k not in ("KIT_RANK_CGROUP", "KIT_HOST_MEMORY")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER_IN_ITS_OWN_CGROUP, str(group.cgroup), str(limit - HEADROOM), str(HEADROOM)],
+            cwd=root, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        group.close()
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["raised"], "the rank grew 600 MiB past a 150 MiB headroom and was not killed"
+    assert (got["rank"], got["kind"], got["signal"]) == (1, "oom", "SIGKILL"), got
+    assert got["first"].startswith(
+        "rank 1 oom: megatron_testkit.RunnerMemoryExceeded: killed by the kernel OOM killer in the "
+        f"launcher's own memory cgroup {group.cgroup} ("
+    ), got["first"]
+    assert "oom_kill 0 -> 1" in got["first"], got["first"]
+    assert group.leftovers == 0

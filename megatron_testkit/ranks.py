@@ -339,9 +339,12 @@ class _Launch:
         # kernel in the ranks' cgroup (KIT_RANK_CGROUP), whose OOM counter is read before and after.
         self.host_limit = runner_limit.host_memory_limit()
         self.rss_before: dict[int, int] = {}
+        # Without a ranks' cgroup, the ranks share this process's own memory cgroup (a container's,
+        # a CI job's): a kernel OOM kill there is read from its oom_kill counter alone.
         group = os.environ.get(runner_limit.RANK_CGROUP_ENV)
-        self.cgroup = Path(group) if group else None
-        self.oom_before = runner_limit.read_oom_counters(self.cgroup) if self.cgroup is not None else None
+        self.cgroup = Path(group) if group else runner_limit.memory_cgroup_of()
+        self.cgroup_role = "the ranks' memory cgroup" if group else "the launcher's own memory cgroup"
+        self.oom_before = self._oom_counters()
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
         self.started = time.time()
@@ -450,7 +453,7 @@ class _Launch:
         killed = [
             rec for rec in records if rec.status == "failed" and rec.signal == "SIGKILL" and not rec.exc_type
         ]
-        seen = runner_limit.oom_kills_between(self.oom_before, runner_limit.read_oom_counters(self.cgroup))
+        seen = runner_limit.oom_kills_between(self.oom_before, self._oom_counters())
         if not killed or seen is None:
             return
         count, note = seen
@@ -458,9 +461,19 @@ class _Launch:
         for rec in sorted(killed, key=lambda rec: (rec.time or 0.0, rec.rank))[:count]:
             rec.exc_type, rec.kind_hint = _RUNNER_OOM, "oom"
             rec.exc_message = (
-                f"killed by the kernel OOM killer in the ranks' memory cgroup {self.cgroup} ({note}; "
+                f"killed by the kernel OOM killer in {self.cgroup_role} {self.cgroup} ({note}; "
                 f"limit {format_size(limit)}, rank {rec.rank}'s peak RSS {format_size(rec.peak_host_bytes)})"
             )
+
+    def _oom_counters(self) -> runner_limit.OomCounters | None:
+        """The group's OOM counters; in a shared group (not KIT_RANK_CGROUP) without failcnt, which
+        rises there on page-cache reclaim alone."""
+        if self.cgroup is None:
+            return None
+        counters = runner_limit.read_oom_counters(self.cgroup)
+        if os.environ.get(runner_limit.RANK_CGROUP_ENV):
+            return counters
+        return runner_limit.OomCounters(counters.oom_kill, None, counters.source)
 
     def running(self) -> list[_RankProcess]:
         """The ranks still running."""

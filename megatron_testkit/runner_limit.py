@@ -10,6 +10,10 @@ job (`ci/limits.py`) reproduce that limit, and the launcher turns it into a name
   kernel enforces the limit, and a rank killed by SIGKILL while the group's OOM counter rose is
   named ``oom`` (`read_oom_counters`, `oom_kills_between`). Without the counter the kernel keeps on
   v1 (``oom_kill`` in ``memory.oom_control`` needs Linux 4.13), a ``memory.failcnt`` rise stands in.
+- Neither: the ranks share the launcher's own memory cgroup (`memory_cgroup_of`), the container's
+  or the CI job's, which is where a runner's kernel OOM kill happens. Its ``oom_kill`` counter is
+  read the same way (never ``failcnt``: in a shared group it rises on mere page-cache reclaim), so
+  a rank SIGKILLed while it rose is named ``oom``, not ``crash``.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ __all__ = [
     "HOST_MEMORY_ENV",
     "RANK_CGROUP_ENV",
     "OomCounters",
+    "cgroup_mounts",
     "group_limit_bytes",
     "host_memory_limit",
+    "memory_cgroup_of",
     "oom_kills_between",
+    "own_cgroup",
     "rank_over_limit",
     "read_oom_counters",
 ]
@@ -122,4 +129,55 @@ def group_limit_bytes(group: str | os.PathLike[str]) -> int | None:
         value = _read_int(group / name)
         if value is not None:
             return value if value < 2**62 else None  # v1 spells "no limit" as a huge number
+    return None
+
+
+def cgroup_mounts(mounts: str | os.PathLike[str] = "/proc/self/mounts") -> list[tuple[str, str, set[str]]]:
+    """(mount point, fs type, options) of every cgroup mount (v1 ``cgroup`` and v2 ``cgroup2``)."""
+    out = []
+    try:
+        lines = Path(mounts).read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] in ("cgroup", "cgroup2"):
+            out.append((parts[1], parts[2], set(parts[3].split(","))))
+    return out
+
+
+def own_cgroup(controller: str | None, pid: int | str = "self") -> str | None:
+    """A process's path in the v2 hierarchy (controller None) or in the v1 hierarchy of `controller`."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controller is None and controllers == "":
+            return path
+        if controller is not None and controller in controllers.split(","):
+            return path
+    return None
+
+
+def memory_cgroup_of(pid: int | str = "self") -> Path | None:
+    """The directory of the memory cgroup process `pid` is charged to, if it keeps an OOM counter.
+
+    v2 where the unified hierarchy has the memory controller (``memory.events`` there), else the
+    v1 memory hierarchy (``memory.oom_control``); None when neither is mounted or readable (the
+    root of a v2 hierarchy has no ``memory.events``: nothing to read there).
+    """
+    for mount, kind, options in cgroup_mounts():
+        if kind == "cgroup2":
+            path, counter = own_cgroup(None, pid), "memory.events"
+        elif "memory" in options:
+            path, counter = own_cgroup("memory", pid), "memory.oom_control"
+        else:
+            continue
+        if path is None:
+            continue
+        group = Path(mount) / path.lstrip("/")
+        if (group / counter).is_file():
+            return group
     return None
