@@ -35,31 +35,14 @@ PLANTED_RANK = 1 * PER_NODE + 1
 NODE_TESTS = textwrap.dedent(
     """
     import os
-    import signal
 
-    import pytest
     import torch
     import torch.distributed as dist
 
-    # The installed kit, as on a real cluster (this repository's `fixtures` is not shipped).
+    # The installed kit, as on a real cluster (this repository's `fixtures` is not shipped). No
+    # setup of its own: the kit keeps the job's process group across tests (one per test races)
+    # and turns the agent's SIGTERM into an interrupt so that every rank writes its report.
     from megatron_testkit.ranks import run_ranks
-
-
-    def _interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum} from the torchrun agent")
-
-
-    @pytest.fixture(scope="session", autouse=True)
-    def job_group():
-        # One default process group for the whole job, as a training job holds it; run_ranks
-        # uses it and leaves it. (Creating and destroying one per test races: a rank may read a
-        # peer's gloo address from the previous group out of the store and get refused.)
-        # The agent SIGTERMs the ranks left when one fails; as a KeyboardInterrupt, pytest still
-        # writes this rank's report before it exits.
-        signal.signal(signal.SIGTERM, _interrupt)
-        dist.init_process_group("gloo")
-        yield
-        dist.destroy_process_group()
 
 
     def total(rank, world_size):

@@ -11,7 +11,9 @@ What it does for every test:
   (fails them instead when ``KIT_REQUIRE_GPUS`` promises the GPUs: `devices.gpu_gate`);
 - guards the shared session (`kit_leak_guard`, autouse) on tests that launched ranks, are marked
   ``world_size`` or ``leak_guard``, or on every test with ``kit_leak_guard = all`` (ini; ``off``
-  disables it): no child process and no initialised default process group may outlive the test.
+  disables it): no child process and no initialised default process group may outlive the test
+  (under torchrun the job's group, which `run_ranks` keeps for the process, is not a leak);
+- under torchrun, turns the agent's SIGTERM into a KeyboardInterrupt so every rank writes its report;
   Other tests are left alone, so a project's own long-lived workers (a ProcessPoolExecutor kept
   across tests) survive; the pytest process' RSS growth is recorded for every test;
 - attaches what it measured to the test's reports (``report.kit``), which xdist carries to the
@@ -25,8 +27,10 @@ import datetime
 import os
 import platform
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -56,6 +60,7 @@ _LEAK_GUARD_MODES = ("ranks", "all", "off")
 
 
 _SAVED_ROOTS = pytest.StashKey[tuple]()
+_SAVED_SIGTERM = pytest.StashKey[Any]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -176,6 +181,24 @@ def pytest_configure(config: pytest.Config) -> None:
         attribution.set_log_root(str(logs))
     if not _is_xdist_worker(config):
         config.pluginmanager.register(_KitSession(config), "kit-session-report")
+    config.stash[_SAVED_SIGTERM] = _sigterm_as_interrupt()
+
+
+def _sigterm_as_interrupt() -> Any:
+    """Under torchrun, the agent SIGTERMs the ranks left when one fails: as a KeyboardInterrupt,
+    pytest still ends the session and writes this rank's report. Only a default handler is
+    replaced (never one the project set); returns the handler to restore, or None."""
+    from megatron_testkit.ranks import in_torchrun
+
+    if not in_torchrun() or threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum} (SIGTERM) from the torchrun agent")
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -183,6 +206,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if saved is not None:
         attribution.set_log_root(saved[0])
         attribution.set_scratch_root(saved[1])
+    previous = config.stash.get(_SAVED_SIGTERM, None)
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -296,6 +322,7 @@ def kit_leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     ``kit_leak_guard`` ini option selects (see the module docstring); the rest are untouched.
     """
     from megatron_testkit import proctree
+    from megatron_testkit.ranks import in_torchrun
 
     mode = _leak_guard_mode(request.config)
     if mode == "off":
@@ -319,7 +346,8 @@ def kit_leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
                 proc.kill()
         psutil.wait_procs(leaked, timeout=5)
     request.node.stash[_LEAKED] = len(leaked)
-    if _default_group_initialised() and not group_before:
+    # Under torchrun this process is a rank of the job, and the group run_ranks keeps is the job's.
+    if _default_group_initialised() and not group_before and not in_torchrun():
         with contextlib.suppress(Exception):
             sys.modules["torch.distributed"].destroy_process_group()
         problems.append(

@@ -2,11 +2,17 @@
 
 torchrun has already started one process per rank and handles tearing the job down, so nothing is
 spawned here. The default process group is created from the environment (``env://``) unless the
-job already has one; every rank gets every rank's return value, as with the spawning launcher.
+job already has one, and then kept for the rest of the process, as a training job holds its group:
+creating and destroying one per test races (a rank may read a peer's gloo address of the previous
+group from the store and be refused). It is destroyed at exit. Every rank gets every rank's return
+value, as with the spawning launcher. (The plugin turns the agent's SIGTERM into a
+KeyboardInterrupt, so a rank's pytest writes its report when a peer fails.)
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import time
 import traceback
@@ -38,6 +44,7 @@ def run_in_torchrun(
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, rank=rank, world_size=world_size)
+        atexit.register(_destroy_group)
     try:
         result = fn(rank, world_size, *args)
     except BaseException as exc:
@@ -60,12 +67,19 @@ def run_in_torchrun(
         ) from exc
     results: list[Any] = [None] * world_size
     dist.all_gather_object(results, result)
-    if created:
-        dist.destroy_process_group()
     _record(
         world_size, backend if created else dist.get_backend() if dist.is_initialized() else backend, started
     )
     return results
+
+
+def _destroy_group() -> None:
+    """At exit: the group this module created, if nobody destroyed it since."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _record(world_size: int, backend: str, started: float) -> None:
