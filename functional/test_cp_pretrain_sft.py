@@ -31,6 +31,7 @@ import torch
 from fixtures.megatron import checkpoint_common_state
 from fixtures.oracles import megatron_lm_step_flops
 from fixtures.ranks import run_ranks
+from fixtures.rounding import BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, per_token_loss_tolerance
 from fixtures.tensorboard import read_scalars
 from fixtures.training import ModelConfig
 
@@ -114,8 +115,11 @@ def cp_scenario_worker(rank: int, world_size: int, s: Scenario, root: str) -> di
         out["pretrain_wall_s"] = time.perf_counter() - t0
         out["pretrain_total_flops"] = pre.flops.total_flops
         pre.save(root_path / "pretrain")
-        out["probe_loss"], grads = pre.compute_gradients(data["probe"])
-        out["probe_grads"] = grads if rank == 0 else None
+        probe = pre.probe(data["probe"])
+        out["probe_loss"] = probe.loss
+        out["probe_grads"] = probe.grads if rank == 0 else None
+        # Every token's loss, gathered over the CP ranks back into the pack's order (both ranks).
+        out["probe_tokens"] = probe.tokens
         pre.close()
 
         sft = Trainer(s.model, parallel, TrainConfig(lr=s.sft_lr, tensorboard_dir=str(root_path / "tb_sft")))
@@ -153,11 +157,11 @@ def cp1_reference_worker(rank: int, world_size: int, s: Scenario, root: str) -> 
         data = _data(s)
         trainer = Trainer(s.model, ParallelConfig(cp=1), TrainConfig(lr=s.pretrain_lr))
         trainer.load(Path(root) / "pretrain", load_optimizer=False)
-        loss, grads = trainer.compute_gradients(data["probe"])
+        probe = trainer.probe(data["probe"])
         destroy_model_parallel()
     # The packs go back to the test, so the pytest process never imports HF datasets (~90 MiB
     # of RSS it would keep for the rest of a shared session).
-    return {"loss": loss, "grads": grads, "data": data}
+    return {"loss": probe.loss, "grads": probe.grads, "tokens": probe.tokens, "data": data}
 
 
 # ------------------------------------------------------------------------- independent oracles
@@ -193,7 +197,21 @@ def expected_checkpoint_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
 # margin, while a wrong CP split or a missing K/V gather is off by 1e-3 in the loss and ~100% in
 # the gradients (measured with negative controls: a wrong split, a missing K/V gather).
 # bf16 on GPU (TE): 2e-2 relative on the loss and 5e-2 on gradient norms (estimates; not run here).
-TOLERANCES = {"gloo": {"loss": 1e-6, "grad": 1e-5}, "nccl": {"loss": 2e-2, "grad": 5e-2}}
+# Those cannot see a wrong split under bf16: its noise on the mean loss is ~9e-3 worst case, while
+# a wrong split moves the mean by ~1e-3 relative or less but single tokens by tenths of a nat
+# (research/cp_attention_feasibility.md: 0.12 without the K/V gather, 0.56 with contiguous halves).
+# So every real token's loss is compared too, within a tolerance derived per token from the run's
+# own logits and the precision's unit roundoff u (`fixtures.rounding`: two runs x [2 x 2 u A + the
+# fp32 loss arithmetic], A = max_j sum_k |h_k W_jk| ~1.3 here): ~0.04 nats under bf16, ~1e-5 under
+# fp32 (mostly its loss arithmetic). Measured on gloo: per-token |diff| 0 (bit-identical: each
+# token's attention sums the same keys in the same order). A contiguous split, forced for a one-off
+# run, moved the mean loss 1e-3 relative (passes the bf16 2e-2) and tokens by up to 0.21 nats (~5x
+# the bf16 per-token tolerance). `unit/test_rounding.py` measures a bf16 emulation of this model at
+# <= 0.1 of that tolerance and wrong splits (contiguous halves, no K/V gather) at 8-11x it.
+TOLERANCES = {
+    "gloo": {"loss": 1e-6, "grad": 1e-5, "unit_roundoff": FP32_UNIT_ROUNDOFF},
+    "nccl": {"loss": 2e-2, "grad": 5e-2, "unit_roundoff": BF16_UNIT_ROUNDOFF},
+}
 
 # Host budget per rank (gloo): measured peak RSS ~0.50 GiB per rank (torch + megatron-core +
 # datasets imports ~0.37 GiB; three tiny models, checkpoint I/O). 768 MiB leaves ~50% headroom for
@@ -257,16 +275,37 @@ def cp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return run
 
 
+def token_loss_diffs(run: CPRun) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per probe micro batch, over its real tokens: |CP=2 - CP=1| per-token loss and its tolerance."""
+    out = []
+    for a, b in zip(run.ranks[0]["probe_tokens"], run.ref["tokens"], strict=True):
+        real = b.loss_mask > 0
+        tol = per_token_loss_tolerance(
+            torch.maximum(a.logit_abs_sum, b.logit_abs_sum)[real],
+            torch.maximum(a.loss, b.loss)[real],
+            torch.maximum(a.logit_abs_max, b.logit_abs_max)[real],
+            unit=run.tol["unit_roundoff"],
+            vocab_size=run.scenario.model.vocab_size,
+        )
+        out.append(((a.loss - b.loss).abs()[real].double(), tol))
+    return out
+
+
 def _print_figures(run: CPRun) -> None:
     ranks, ref = run.ranks, run.ref
     cp2 = ranks[0]["probe_grads"]
     max_grad_err = max((cp2[n] - g).abs().max().item() for n, g in ref["grads"].items())
+    diffs = token_loss_diffs(run)
+    token_err = max(d.max().item() for d, _ in diffs)
+    token_ratio = max((d / t).max().item() for d, t in diffs)
+    token_tol = min(t.min().item() for _, t in diffs)
     print(
         f"\ncp_pretrain_sft[{run.backend}]: wall {run.wall_s:.1f} s; per-rank peak RSS "
         f"{[round(r['final_memory'].get('peak_rss_bytes', 0) / 2**20) for r in ranks]} MiB; "
         f"pretrain losses {[round(x['loss'], 4) for x in ranks[0]['pretrain']]}; "
         f"SFT set loss {ranks[0]['sft_before']:.4f} -> {ranks[0]['sft_after']:.4f}; "
-        f"CP2-CP1 loss {abs(ranks[0]['probe_loss'] - ref['loss']):.2g}, max grad diff {max_grad_err:.2g}"
+        f"CP2-CP1 loss {abs(ranks[0]['probe_loss'] - ref['loss']):.2g}, max grad diff {max_grad_err:.2g}, "
+        f"max per-token loss diff {token_err:.2g} ({token_ratio:.2g} of its tolerance, >= {token_tol:.2g})"
     )
 
 
@@ -360,6 +399,31 @@ def test_cp2_loss_equals_cp1_on_the_same_batch_and_weights(cp_run: CPRun) -> Non
         ref["loss"],
     )
     assert ranks[0]["probe_loss"] == ranks[1]["probe_loss"]
+
+
+def test_cp2_per_token_losses_equal_cp1_within_their_rounding_tolerance(cp_run: CPRun) -> None:
+    # The check that catches a wrong CP split under bf16 (see TOLERANCES): every real token's
+    # loss, gathered back into pack order, within its own rounding tolerance of CP=1's.
+    probe = cp_run.data["probe"]
+    for r in cp_run.ranks:  # the gather gives every CP rank the whole pack
+        assert len(r["probe_tokens"]) == len(probe)
+        for got, ref, pack in zip(r["probe_tokens"], cp_run.ranks[0]["probe_tokens"], probe, strict=True):
+            # The mask came back in pack order: the gather undid the CP split. (Padding tokens'
+            # losses are unspecified under TE, as their attention outputs: real tokens only.)
+            assert torch.equal(got.loss_mask, pack.loss_mask.float())
+            real = got.loss_mask > 0
+            assert got.loss.shape == pack.tokens.shape and torch.equal(got.loss[real], ref.loss[real])
+    for i, (diff, tol) in enumerate(token_loss_diffs(cp_run)):
+        assert diff.numel() >= 100, f"micro batch {i}: {diff.numel()} real tokens, too few to compare"
+        worst = int((diff / tol).argmax())
+        assert (diff <= tol).all(), (
+            f"micro batch {i}: {int((diff > tol).sum())} of {diff.numel()} real tokens' CP=2 losses differ "
+            f"from CP=1 beyond rounding; worst {diff[worst]:.3g} nats (tolerance {tol[worst]:.3g})"
+        )
+    # The reference's per-token losses are the ones its mean loss is made of.
+    masked = [(t.loss * t.loss_mask).sum() for t in cp_run.ref["tokens"]]
+    count = sum(t.loss_mask.sum() for t in cp_run.ref["tokens"])
+    assert math.isclose(float(sum(masked) / count), cp_run.ref["loss"], rel_tol=1e-6)
 
 
 def test_cp2_gradients_equal_cp1_for_every_parameter(cp_run: CPRun) -> None:

@@ -148,3 +148,42 @@ def test_one_rank_trainer_trains_saves_and_refuses_bad_loads(
         assert (even.iteration, odd.iteration) == (2, 3) and reduced_at == [2]
         assert even.memory["peak_rss_bytes"] > 0 and even.tflops_per_gpu is not None
         assert odd.memory is None and odd.tflops_per_gpu is None and odd.local_memory["peak_rss_bytes"] > 0
+
+
+def test_probe_returns_each_tokens_cross_entropy_of_the_models_own_logits(one_rank_group: None) -> None:
+    import torch.nn.functional as F
+
+    from fixtures.training import thd_packed_seq_params
+
+    torch.set_num_threads(1)
+    tok = ByteTokenizer()
+    examples = tokenize_dataset(squad_like_dataset(6), tok, kind="pretrain", max_len=127)
+    packs = pack_examples(examples, 128, 1, pad_id=tok.pad_id)[:2]
+    model = ModelConfig(vocab_size=tok.padded_vocab_size(), max_sequence_length=128)
+    with cpu_shim():
+        trainer = Trainer(model, ParallelConfig(), TrainConfig())
+        probe = trainer.probe(packs)
+        loss, grads = trainer.compute_gradients(packs)
+        assert probe.loss == loss and probe.grads.keys() == grads.keys()
+        assert all(torch.equal(probe.grads[n], g) for n, g in grads.items())
+        assert len(probe.tokens) == len(packs)
+        for pack, got in zip(packs, probe.tokens, strict=True):
+            # The logits of a forward without labels, and torch's cross entropy of them.
+            cu, cu_pad = pack.cu_seqlens.to(torch.int32), pack.cu_seqlens_padded.to(torch.int32)
+            with torch.no_grad():
+                logits = trainer.model[0](
+                    input_ids=pack.tokens.unsqueeze(0),
+                    position_ids=pack.position_ids.unsqueeze(0),
+                    attention_mask=None,
+                    packed_seq_params=thd_packed_seq_params(cu, cu_pad, pack.max_seqlen),
+                )[0]
+            want = F.cross_entropy(logits.float(), pack.labels, reduction="none")
+            assert got.loss.shape == pack.tokens.shape and torch.allclose(
+                got.loss, want, rtol=1e-5, atol=1e-6
+            )
+            assert torch.equal(got.loss_mask, pack.loss_mask.float())
+            assert torch.allclose(got.logit_abs_max, logits.abs().amax(-1), rtol=1e-5)
+            assert (got.logit_abs_sum >= got.logit_abs_max * (1 - 1e-6)).all()
+        masked = sum((t.loss * t.loss_mask).sum() for t in probe.tokens)
+        count = sum(t.loss_mask.sum() for t in probe.tokens)
+        assert math.isclose(float(masked / count), probe.loss, rel_tol=1e-6)
