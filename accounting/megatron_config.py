@@ -205,6 +205,14 @@ def shape_kwargs(config: Any, hybrid_pattern: str | None = None) -> dict[str, An
         "attention_output_gate": bool(getattr(config, "attention_output_gate", False)),
     }
     variant = getattr(config, "experimental_attention_variant", None)
+    if variant == "dsa" and not hasattr(config, "dsa_indexer_topk_freq"):
+        # Before 0.19 (e.g. 0.16.1) megatron's DSA ran un-absorbed MLA with a grad-tracked indexer
+        # and one causal mask over the whole pack (no per-document THD mask): another count.
+        raise ValueError(
+            "experimental_attention_variant = 'dsa' from a megatron-core release without "
+            "dsa_indexer_topk_freq (older than 0.19): its DSA (un-absorbed MLA, no per-document mask) "
+            "is not modelled; the kit counts megatron-core 0.19's"
+        )
     if variant == "dsa" or (hybrid_pattern is not None and "D" in hybrid_pattern):
         for name in (
             "dsa_indexer_n_heads",
