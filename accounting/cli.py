@@ -18,7 +18,7 @@ import torch
 
 from accounting.flops import flops_from_sums, training_flops
 from accounting.presets import PRESETS, preset, preset_adapter
-from accounting.seqlens import SeqlenStats, seqlen_stats, validate_cu_seqlens
+from accounting.seqlens import SeqlenStats, pairs_beyond, seqlen_stats, validate_cu_seqlens
 
 __all__ = ["main"]
 
@@ -91,7 +91,7 @@ def _squares_fit(flag: str, total: int) -> None:
         )
 
 
-def _stats(args) -> tuple[SeqlenStats, int, int]:
+def _stats(args, window: tuple[int, int] | None) -> tuple[SeqlenStats, int, int]:
     """Statistics of the pack described by the arguments, its pack length and document count."""
     if args.seq_len is not None:
         _in_range("--seq-len", [args.seq_len], 0)
@@ -121,12 +121,14 @@ def _stats(args) -> tuple[SeqlenStats, int, int]:
         validate_cu_seqlens(cu_tensor, pack_len=pack_len)
     except ValueError as err:
         raise _UsageError(f"{'--cu-seqlens' if args.cu_seqlens is not None else '--docs'}: {err}") from None
-    stats = seqlen_stats(cu_tensor, pack_len=pack_len)
+    stats = seqlen_stats(cu_tensor, pack_len=pack_len, window_size=window)
     return stats, pack_len, int(stats.num_sequences)
 
 
 def _dense_pack_flops(shape, pack_len: int, frozen: bool, adapter) -> int:
     """Model FLOPs if the pack were one document of `pack_len` tokens (exact Python ints, no int64)."""
+    window = shape.stats_window
+    left, right = (pairs_beyond(pack_len, side) for side in window) if window else (0, 0)
     sums = dict.fromkeys(SeqlenStats.field_names(), 0)
     sums.update(
         num_sequences=1 if pack_len else 0,
@@ -134,13 +136,17 @@ def _dense_pack_flops(shape, pack_len: int, frozen: bool, adapter) -> int:
         squared=pack_len * pack_len,
         padded_tokens=pack_len,
         padded_squared=pack_len * pack_len,
+        beyond_left=left,
+        beyond_right=right,
+        padded_beyond_left=left,
+        padded_beyond_right=right,
     )
-    return flops_from_sums(shape, sums, frozen_base=frozen, adapter=adapter).total
+    return flops_from_sums(shape, sums, window=window, frozen_base=frozen, adapter=adapter).total
 
 
 def _flops(args) -> int:
     shape, adapter = preset(args.preset), preset_adapter(args.preset)
-    stats, pack_len, docs = _stats(args)
+    stats, pack_len, docs = _stats(args, shape.stats_window)
     frozen = adapter is not None
     result = training_flops(shape, stats, recompute=args.recompute, frozen_base=frozen, adapter=adapter)
     dense = _dense_pack_flops(shape, pack_len, frozen, adapter)

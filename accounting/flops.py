@@ -4,7 +4,9 @@ Conventions (those of Megatron-LM's `num_floating_point_operations`, which dense
 reproduce exactly): 2 FLOPs per multiply-add; backward = 2x forward, so every term is 3x its
 forward cost; causal attention counts half of the s x s score and value products (s^2/2 pairs per
 document, i.e. the exact s(s+1)/2 minus half the diagonal); `causal=False` counts all s^2.
-A sliding window removes, per document, exactly the pairs outside it (see `accounting.seqlens`).
+A sliding window removes, per document, exactly the pairs outside it (see `accounting.seqlens`);
+DeepSeek sparse attention's top-k cap is counted the same way, as a left window of k - 1 keys (see
+`accounting.sparse_attention` and `ModelShape.stats_window`).
 
 Model FLOPs (`total`, the MFU numerator) use real tokens and real lengths. Hardware FLOPs
 (`hardware_total`) use the padded tokens and padded lengths the kernels execute, plus the forward
@@ -20,6 +22,14 @@ from accounting.adapters import LoraAdapter, adapter_macs_per_token
 from accounting.hybrid import mamba_forward_flops_per_token, parse_hybrid_pattern
 from accounting.linear_attention import GDN_VARIANTS, gdn_forward_flops_per_token, linear_layer_pattern
 from accounting.seqlens import SeqlenStats, describe_malformed, normalize_window
+from accounting.sparse_attention import (
+    DSA_VARIANT,
+    absorbed_pair_macs,
+    indexer_pair_macs,
+    indexer_projection_macs,
+    loss_target_pair_macs,
+    topk_window,
+)
 
 __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training_flops"]
 
@@ -28,10 +38,17 @@ __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training
 # `mla_projections` holds multi-latent attention's down/up projections (its core attention is in
 # `core_attention`); `mamba` the Mamba-2 mixers' projections and conv, `mamba_scan` their scan
 # (hybrid patterns); `gdn` / `gdn_scan` the same for gated DeltaNet layers; `adapter` the trainable adapter's GEMMs (only when an adapter is given).
+# DeepSeek sparse attention layers count their MLA projections in `mla_projections` and their
+# top-k attention in `core_attention`; `dsa_indexer` holds the indexer's projections,
+# `dsa_indexer_scores` its scores over all causal pairs, `dsa_indexer_loss` the target scores of
+# its KL loss (only when that loss is on).
 TERMS = (
     "attention_projections",
     "mla_projections",
     "core_attention",
+    "dsa_indexer",
+    "dsa_indexer_scores",
+    "dsa_indexer_loss",
     "mamba",
     "mamba_scan",
     "gdn",
@@ -120,6 +137,16 @@ class ModelShape:
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     linear_conv_kernel_dim: int = 4
+    # DeepSeek sparse attention (DeepSeek-V3.2): experimental_attention_variant "dsa" on MLA makes
+    # every layer (MTP included) a DSA layer; in a hybrid_pattern the `D` layers are. The indexer
+    # has dsa_indexer_n_heads heads of dsa_indexer_head_dim and keeps dsa_indexer_topk keys per
+    # query; a dsa_indexer_loss_coeff > 0 trains it with its KL loss (over the top-k keys only
+    # with dsa_indexer_use_sparse_loss). See accounting.sparse_attention.
+    dsa_indexer_n_heads: int | None = None
+    dsa_indexer_head_dim: int | None = None
+    dsa_indexer_topk: int | None = None
+    dsa_indexer_loss_coeff: float | None = None
+    dsa_indexer_use_sparse_loss: bool = False
 
     def __post_init__(self) -> None:
         def resolve(name: str, value: Any) -> None:
@@ -160,6 +187,7 @@ class ModelShape:
         self._check_mla()
         self._check_hybrid()
         self._check_linear_attention()
+        self._check_sparse_attention()
 
     def _check_linear_attention(self) -> None:
         variant = self.experimental_attention_variant
@@ -169,15 +197,24 @@ class ModelShape:
                 raise ValueError(
                     f"linear_attention_freq = {self.linear_attention_freq!r} needs experimental_attention_variant"
                 )
+            if self.hybrid_pattern is not None and self.linear_layers:
+                self._check_gdn_fields()
+            return
+        if variant == DSA_VARIANT:
+            if self.linear_attention_freq is not None:
+                raise ValueError(
+                    f"linear_attention_freq = {self.linear_attention_freq!r} with experimental_attention_variant "
+                    "= 'dsa': megatron-core ignores it (every layer is DSA); leave it None"
+                )
+            if self.hybrid_pattern is not None and self.linear_layers:
+                self._check_gdn_fields()
             return
         if variant not in GDN_VARIANTS:
             raise ValueError(
-                f"experimental_attention_variant = {variant!r} is not modelled (known: {', '.join(GDN_VARIANTS)})"
+                f"experimental_attention_variant = {variant!r} is not modelled "
+                f"(known: {', '.join((*GDN_VARIANTS, DSA_VARIANT))})"
             )
-        for name in ("linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads"):
-            _positive(name, getattr(self, name))
-        for name in ("linear_num_value_heads", "linear_conv_kernel_dim"):
-            _positive(name, getattr(self, name))
+        self._check_gdn_fields()
         freq = self.linear_attention_freq
         if self.hybrid_pattern is not None:
             return  # the pattern's `G` layers are the linear ones
@@ -195,12 +232,74 @@ class ModelShape:
         if self.window_size is not None or self.multi_latent_attention:
             raise ValueError("experimental_attention_variant with window_size or MLA is not modelled")
 
+    def _check_gdn_fields(self) -> None:
+        for name in ("linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads"):
+            _positive(name, getattr(self, name))
+        for name in ("linear_num_value_heads", "linear_conv_kernel_dim"):
+            _positive(name, getattr(self, name))
+
+    def _check_sparse_attention(self) -> None:
+        names = ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+        if not isinstance(self.dsa_indexer_use_sparse_loss, bool):
+            raise ValueError(
+                f"dsa_indexer_use_sparse_loss = {self.dsa_indexer_use_sparse_loss!r} must be a bool"
+            )
+        coeff = self.dsa_indexer_loss_coeff
+        if coeff is not None and (
+            isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or coeff < 0
+        ):
+            raise ValueError(f"dsa_indexer_loss_coeff = {coeff!r} must be a number >= 0 or None")
+        if not self.dsa_layers:
+            return  # no DSA layer: the indexer fields do not matter
+        for name in names:
+            if getattr(self, name) is None:
+                raise ValueError(f"{name} is None but the model has DeepSeek sparse attention layers")
+            _positive(name, getattr(self, name))
+        if not self.multi_latent_attention:
+            raise ValueError(
+                "DeepSeek sparse attention needs multi_latent_attention = True (megatron-core: "
+                "'Currently only MLA supports sparse attention')"
+            )
+        if self.window_size is not None:
+            raise ValueError(
+                f"window_size = {self.window_size!r} with DeepSeek sparse attention is not modelled"
+            )
+        if not self.causal:
+            raise ValueError(
+                "causal = False with DeepSeek sparse attention is not modelled (its mask is causal)"
+            )
+
+    @property
+    def dsa_layers(self) -> int:
+        """DeepSeek-sparse-attention layers, MTP depths included (MTP takes the last layer's kind)."""
+        if self.hybrid_pattern is not None:
+            return parse_hybrid_pattern(self.hybrid_pattern).counts["dsa"]
+        if self.experimental_attention_variant == DSA_VARIANT:
+            return self.num_layers + self.mtp_num_layers
+        return 0
+
+    @property
+    def dsa_indexer_loss(self) -> bool:
+        """Whether the indexer trains with its KL loss (megatron: `dsa_indexer_loss_coeff > 0`)."""
+        return bool(self.dsa_indexer_loss_coeff) and self.dsa_indexer_loss_coeff > 0
+
+    @property
+    def stats_window(self) -> tuple[int, int] | None:
+        """The window the sequence statistics must carry (`seqlen_stats(..., window_size=...)`).
+
+        `window_size` for sliding-window attention; for DeepSeek sparse attention the top-k cap as
+        a left window of `dsa_indexer_topk - 1` keys (its pairs beyond are what the cap removes).
+        """
+        if self.dsa_layers:
+            return topk_window(self.dsa_indexer_topk)
+        return self.window_size
+
     @property
     def linear_layers(self) -> int:
         """Gated-DeltaNet layers, MTP depths included (an MTP layer takes the last layer's kind)."""
         if self.hybrid_pattern is not None:
             return parse_hybrid_pattern(self.hybrid_pattern).counts["gdn"]
-        if self.experimental_attention_variant is None:
+        if self.experimental_attention_variant not in GDN_VARIANTS:
             return 0
         pattern = linear_layer_pattern(self.linear_attention_freq, self.num_layers)
         return sum(pattern) + (self.mtp_num_layers if pattern[-1] else 0)
@@ -219,9 +318,19 @@ class ModelShape:
                 f"mtp_num_layers = {self.mtp_num_layers} but hybrid_pattern has {layers.mtp_depths} MTP depths"
             )
         object.__setattr__(self, "mtp_num_layers", layers.mtp_depths)
-        for name in ("window_size", "multi_latent_attention"):
-            if getattr(self, name):
-                raise ValueError(f"{name} = {getattr(self, name)!r} with a hybrid_pattern is not modelled")
+        if self.window_size:
+            raise ValueError(f"window_size = {self.window_size!r} with a hybrid_pattern is not modelled")
+        latent = layers.counts["mla"] + layers.counts["dsa"]
+        if latent and not self.multi_latent_attention:
+            raise ValueError(
+                f"hybrid_pattern = {self.hybrid_pattern!r} has '+' MLA or 'D' DSA layers but "
+                "multi_latent_attention is False (they need an MLATransformerConfig's fields)"
+            )
+        if layers.counts["attention"] and self.multi_latent_attention:
+            raise ValueError(
+                f"hybrid_pattern = {self.hybrid_pattern!r} has '*' layers with multi_latent_attention = True: "
+                "megatron builds standard attention for '*' (use '+' for MLA); that mix is not modelled"
+            )
         if layers.counts["moe"] and self.num_moe_experts is None:
             raise ValueError(
                 f"hybrid_pattern = {self.hybrid_pattern!r} has MoE layers but num_moe_experts is None"
@@ -380,6 +489,7 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
     attention_layers = shape.num_layers + mtp
     linear = shape.linear_layers
     attention_layers -= 0 if shape.hybrid_pattern is not None else linear
+    dsa = shape.dsa_layers
     gdn = gdn_scan = 0
     if linear:
         weights, per_scan = gdn_forward_flops_per_token(
@@ -395,6 +505,7 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
     if shape.hybrid_pattern is not None:
         counts = parse_hybrid_pattern(shape.hybrid_pattern).counts
         attention_layers, dense_layers, moe_layers = counts["attention"], counts["mlp"], counts["moe"]
+        attention_layers += counts["mla"]  # MLA layers: projections below; DSA layers counted apart
         if counts["mamba"]:
             weights, per_scan = mamba_forward_flops_per_token(
                 h, shape.mamba_num_heads, shape.mamba_head_dim, shape.mamba_num_groups, shape.mamba_state_dim
@@ -412,12 +523,23 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
             routed = shape.moe_latent_size * moe_ffn * topk * glu + 2 * h * shape.moe_latent_size
         moe = 2 * moe_layers * (routed + h * shared * glu)
     attention = 2 * attention_layers * (h * (q + 2 * kv + gate) + q * h)
-    mla = 0
+    mla = indexer = 0
     if shape.multi_latent_attention:
-        attention, mla = 0, 2 * attention_layers * _mla_projection_macs(shape)
+        # Non-hybrid DSA: attention_layers already counts every layer, all of them DSA.
+        latent = attention_layers + (dsa if shape.hybrid_pattern is not None else 0)
+        attention, mla = 0, 2 * latent * _mla_projection_macs(shape)
+    if dsa:
+        indexer = (
+            2
+            * dsa
+            * indexer_projection_macs(
+                h, shape.q_lora_rank, shape.dsa_indexer_n_heads, shape.dsa_indexer_head_dim
+            )
+        )
     return {
         "attention_projections": attention,
         "mla_projections": mla,
+        "dsa_indexer": indexer,
         "mamba": mamba,
         "mamba_scan": scan,
         "gdn": gdn,
@@ -457,18 +579,42 @@ def _core_attention_forward(shape: ModelShape, squared: int, left: int, right: i
     """Forward FLOPs of QK^T and AV over all layers: 2 x `_pair_macs` per attended pair.
 
     Sliding-window layers drop the `left`/`right` pairs outside the window; full-attention layers
-    (per `window_attn_skip_freq`) do not. MTP layers follow the last decoder layer's kind.
+    (per `window_attn_skip_freq`) do not. MTP layers follow the last decoder layer's kind. DSA
+    layers attend the top-k pairs (`left` then counts the pairs beyond the top-k cap).
     """
     macs = _pair_macs(shape)
+    dsa = shape.dsa_layers
     pattern = shape.window_layer_pattern
     windowed = sum(pattern) + (shape.mtp_num_layers if pattern[-1] else 0)
     full = shape.num_layers + shape.mtp_num_layers - windowed - shape.linear_layers
     if shape.hybrid_pattern is not None:
-        windowed, full = 0, parse_hybrid_pattern(shape.hybrid_pattern).counts["attention"]
+        counts = parse_hybrid_pattern(shape.hybrid_pattern).counts
+        windowed, full = 0, counts["attention"] + counts["mla"]
+    elif dsa:
+        full = 0
+    if dsa:  # causal only; 2m * (Σs²/2 - L) per DSA layer, as a window of k - 1 keys
+        n, rank, rope = shape.num_attention_heads, shape.kv_lora_rank, shape.qk_pos_emb_head_dim
+        sparse = dsa * absorbed_pair_macs(n, rank, rope) * (squared - 2 * left)
+        return macs * full * squared + sparse
     if shape.causal:
         # s^2/2 pairs per document, minus those left of the window: 2m * (Σs²/2 - L) = m * (Σs² - 2L).
         return macs * (full * squared + windowed * (squared - 2 * left))
     return 2 * macs * (full * squared + windowed * (squared - left - right))
+
+
+def _indexer_forward(shape: ModelShape, squared: int, left: int) -> tuple[int, int]:
+    """Forward FLOPs of the DSA indexer's scores over all causal pairs (Σs²/2 per layer, the kit's
+    causal convention) and of its KL loss's target scores (all causal pairs, or the top-k pairs
+    with the sparse loss; zero without the loss)."""
+    dsa = shape.dsa_layers
+    if not dsa:
+        return 0, 0
+    scores = dsa * indexer_pair_macs(shape.dsa_indexer_n_heads, shape.dsa_indexer_head_dim) * squared
+    if not shape.dsa_indexer_loss:
+        return scores, 0
+    target = loss_target_pair_macs(shape.num_attention_heads, shape.kv_lora_rank, shape.qk_pos_emb_head_dim)
+    pairs = squared - 2 * left if shape.dsa_indexer_use_sparse_loss else squared
+    return scores, dsa * target * pairs
 
 
 def _terms(
@@ -478,7 +624,21 @@ def _terms(
     forward = {name: per_token * tokens for name, per_token in _per_token_forward(shape).items()}
     forward["adapter"] = 2 * adapter_macs_per_token(shape, adapter) * tokens if adapter is not None else 0
     forward["core_attention"] = _core_attention_forward(shape, squared, left, right)
+    forward["dsa_indexer_scores"], forward["dsa_indexer_loss"] = _indexer_forward(shape, squared, left)
     return {name: forward[name] for name in TERMS}
+
+
+def _factors(shape: ModelShape, frozen_base: bool) -> dict[str, int]:
+    """Multiple of its forward each term costs in training (forward, data and weight gradients).
+
+    A frozen weight has no weight gradient. megatron-core runs the DSA indexer on detached inputs:
+    without its KL loss, under no_grad (forward only); with it, its projections get a weight
+    gradient but no data gradient and its scores a full backward; the loss's target is detached.
+    """
+    factor = {name: 2 if frozen_base and name not in _WEIGHTLESS else 3 for name in TERMS}
+    loss = shape.dsa_indexer_loss
+    factor.update(dsa_indexer=2 if loss else 1, dsa_indexer_scores=3 if loss else 1, dsa_indexer_loss=1)
+    return factor
 
 
 def training_flops(
@@ -522,10 +682,13 @@ def _check_call(shape: ModelShape, window: tuple[int, int] | None, recompute: st
         raise ValueError(f"training_flops: shape must be a ModelShape, got {type(shape).__name__}")
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute = {recompute!r}: expected one of {RECOMPUTE}")
-    if shape.window_size is not None and window != shape.window_size:
+    if shape.stats_window is not None and window != shape.stats_window:
+        what = (
+            "window_size" if shape.dsa_layers == 0 else "the DSA top-k cap (dsa_indexer_topk - 1 keys left)"
+        )
         raise ValueError(
-            f"shape.window_size = {shape.window_size} but the stats were computed for window "
-            f"{window}: pass window_size={shape.window_size} to seqlen_stats / FlopsAccumulator"
+            f"shape.stats_window = {shape.stats_window} ({what}) but the stats were computed for window "
+            f"{window}: pass window_size={shape.stats_window} to seqlen_stats / FlopsAccumulator"
         )
 
 
@@ -550,7 +713,7 @@ def flops_from_sums(
             f"training_flops: the statistics count {describe_malformed(v)}; validate_cu_seqlens(...) names "
             "the index"
         )
-    if shape.window_size is None:
+    if shape.stats_window is None:
         v["beyond_left"] = v["beyond_right"] = v["padded_beyond_left"] = v["padded_beyond_right"] = 0
     model_fwd = _terms(shape, v["tokens"], v["squared"], v["beyond_left"], v["beyond_right"], adapter)
     hw_fwd = _terms(
@@ -561,8 +724,9 @@ def flops_from_sums(
         v["padded_beyond_right"],
         adapter,
     )
-    # Forward + data gradient + weight gradient; a frozen weight has no weight gradient.
-    factor = {name: 2 if frozen_base and name not in _WEIGHTLESS else 3 for name in TERMS}
+    if frozen_base and shape.dsa_layers:
+        raise ValueError("frozen_base with DeepSeek sparse attention layers is not modelled")
+    factor = _factors(shape, frozen_base)
     terms = {name: factor[name] * value for name, value in model_fwd.items()}
     hardware_terms = {name: factor[name] * value for name, value in hw_fwd.items()}
     if recompute == "full":

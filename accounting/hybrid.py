@@ -3,8 +3,10 @@
 The alphabet is that of megatron-core's `hybrid_layer_allocation.Symbols`: `M` Mamba-2, `*`
 attention, `-` MLP, `E` MoE, `|` a pipeline cut (no layer), `/` the start of one MTP depth (each
 `/`-separated part after the main pattern is the layer pattern of one depth), `G` gated DeltaNet
-(see accounting.linear_attention). `+` MLA and `D` DSA layers are megatron-core symbols this
-module does not model yet: they raise.
+(see accounting.linear_attention), `+` multi-latent attention (megatron's `MLASelfAttention`), `D`
+DeepSeek sparse attention (absorbed MLA with the lightning indexer, see accounting.sparse_attention).
+`*` is always standard attention (megatron builds `SelfAttention` for it, MLA config or not), and
+megatron refuses `*` together with `+` or `D` in one model.
 
 Mamba-2 (Dao & Gu 2024, "Transformers are SSMs", §7 and the Mamba-2 block; megatron-core's
 `MambaMixer`): with H heads of width P (inner width d = H·P), G groups and state size N,
@@ -20,8 +22,7 @@ from dataclasses import dataclass
 __all__ = ["MAMBA_CONV_WIDTH", "HybridLayers", "mamba_forward_flops_per_token", "parse_hybrid_pattern"]
 
 MAMBA_CONV_WIDTH = 4  # megatron-core's MambaMixer d_conv (not a config field)
-_LAYERS = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
-_NOT_MODELLED = {"+": "MLA", "D": "DeepSeek sparse attention"}
+_LAYERS = {"M": "mamba", "G": "gdn", "*": "attention", "+": "mla", "D": "dsa", "-": "mlp", "E": "moe"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class HybridLayers:
 
     main: tuple[str, ...]  # the main decoder's layer symbols, pipeline cuts removed
     mtp_depths: int
-    counts: dict[str, int]  # "mamba", "gdn", "attention", "mlp", "moe" -> layers, main + MTP depths
+    counts: dict[str, int]  # "mamba", "gdn", "attention", "mla", "dsa", "mlp", "moe" -> main + MTP layers
 
 
 def parse_hybrid_pattern(pattern: str) -> HybridLayers:
@@ -41,10 +42,6 @@ def parse_hybrid_pattern(pattern: str) -> HybridLayers:
     for i, symbol in enumerate(pattern):
         if symbol in ("|", "/"):
             continue
-        if symbol in _NOT_MODELLED:
-            raise ValueError(
-                f"hybrid_pattern[{i}] = {symbol!r} ({_NOT_MODELLED[symbol]} layer) is not modelled yet"
-            )
         if symbol not in _LAYERS:
             raise ValueError(
                 f"hybrid_pattern[{i}] = {symbol!r} is not a megatron hybrid symbol (M G * - E | / + D)"
@@ -54,6 +51,11 @@ def parse_hybrid_pattern(pattern: str) -> HybridLayers:
     if any(not part for part in parts[1:]):
         raise ValueError(f"hybrid_pattern = {pattern!r}: an MTP depth after '/' has no layer")
     main = tuple(parts[0].replace("|", ""))
+    if counts["attention"] and (counts["mla"] or counts["dsa"]):
+        raise ValueError(
+            f"hybrid_pattern = {pattern!r} mixes '*' attention with '+' MLA or 'D' DSA layers, "
+            "which megatron-core refuses"
+        )
     return HybridLayers(main=main, mtp_depths=len(parts) - 1, counts={k: counts[k] for k in _LAYERS.values()})
 
 

@@ -111,14 +111,20 @@ KNOWN_FIELDS = frozenset(
 
 
 def _variant(value: Any) -> bool:
-    return value not in (None, "", "none", "gated_delta_net", "gdn")
+    return value not in (None, "", "none", "gated_delta_net", "gdn", "dsa")
 
 
 # Known fields whose non-default values change the FLOPs in ways ModelShape does not model yet.
 _UNMODELLED: dict[str, tuple[Any, str]] = {
     "experimental_attention_variant": (
         _variant,
-        "only gated DeltaNet ('gated_delta_net' or 'gdn') is modelled; DSA is not yet",
+        "only gated DeltaNet ('gated_delta_net' or 'gdn') and DeepSeek sparse attention ('dsa') are modelled",
+    ),
+    # Layers that reuse an earlier layer's top-k skip their indexer (megatron's
+    # is_dsa_skip_topk_layer); which MTP layers would is not settled here.
+    "dsa_indexer_topk_freq": (
+        lambda v: v not in (None, 1),
+        "cross-layer DSA top-k sharing (indexer layers skipped) is not modelled yet",
     ),
     "heterogeneous_block_specs": (bool, "per-layer heterogeneous blocks are not modelled"),
     "mtp_hybrid_override_pattern": (
@@ -199,9 +205,31 @@ def shape_kwargs(config: Any, hybrid_pattern: str | None = None) -> dict[str, An
         "attention_output_gate": bool(getattr(config, "attention_output_gate", False)),
     }
     variant = getattr(config, "experimental_attention_variant", None)
-    if variant not in (None, "", "none") or (hybrid_pattern is not None and "G" in hybrid_pattern):
-        kwargs["experimental_attention_variant"] = variant if variant not in (None, "", "none") else "gdn"
+    if variant == "dsa" and not hasattr(config, "dsa_indexer_topk_freq"):
+        # Before 0.19 (e.g. 0.16.1) megatron's DSA ran un-absorbed MLA with a grad-tracked indexer
+        # and one causal mask over the whole pack (no per-document THD mask): another count.
+        raise ValueError(
+            "experimental_attention_variant = 'dsa' from a megatron-core release without "
+            "dsa_indexer_topk_freq (older than 0.19): its DSA (un-absorbed MLA, no per-document mask) "
+            "is not modelled; the kit counts megatron-core 0.19's"
+        )
+    if variant == "dsa" or (hybrid_pattern is not None and "D" in hybrid_pattern):
+        for name in (
+            "dsa_indexer_n_heads",
+            "dsa_indexer_head_dim",
+            "dsa_indexer_topk",
+            "dsa_indexer_loss_coeff",
+        ):
+            kwargs[name] = getattr(config, name, None)
+        kwargs["dsa_indexer_use_sparse_loss"] = bool(getattr(config, "dsa_indexer_use_sparse_loss", False))
+    gdn_layers = hybrid_pattern is not None and "G" in hybrid_pattern
+    if variant not in (None, "", "none"):
+        kwargs["experimental_attention_variant"] = variant
+    elif gdn_layers:
+        kwargs["experimental_attention_variant"] = "gdn"
+    if variant != "dsa" and "experimental_attention_variant" in kwargs:
         kwargs["linear_attention_freq"] = _tuple_or(getattr(config, "linear_attention_freq", None))
+    if variant in ("gated_delta_net", "gdn") or gdn_layers:
         for name in (
             "linear_key_head_dim",
             "linear_value_head_dim",

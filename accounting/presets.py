@@ -7,6 +7,8 @@ presets reproduce them to 3 significant figures (an independent oracle, see unit
 
 from __future__ import annotations
 
+import dataclasses
+
 from accounting.adapters import LoraAdapter
 from accounting.flops import ModelShape
 
@@ -146,6 +148,21 @@ PRESETS: dict[str, ModelShape] = {
         linear_conv_kernel_dim=4,
     ),
 }
+# DeepSeek-V3.2-Exp: deepseek-ai/DeepSeek-V3.2-Exp config.json, DeepSeek-V3 (above) plus the
+# lightning indexer on every layer: index_n_heads 64, index_head_dim 128, index_topk 2048
+# (megatron-core's dsa_indexer_n_heads / _head_dim / _topk; megatron-core's installed source ships
+# no DSA recipe to cross-check). Trained as in the report's sparse stage (DeepSeek_V3_2.pdf §2.1):
+# the indexer learns from its KL loss over the selected keys only (dsa_indexer_use_sparse_loss).
+# The loss coefficient scales a gradient, not the FLOPs: any value > 0 counts the same.
+PRESETS["deepseek-v3.2"] = dataclasses.replace(
+    PRESETS["deepseek-v3"],
+    experimental_attention_variant="dsa",
+    dsa_indexer_n_heads=64,
+    dsa_indexer_head_dim=128,
+    dsa_indexer_topk=2048,
+    dsa_indexer_loss_coeff=1.0,
+    dsa_indexer_use_sparse_loss=True,
+)
 # LoRA on a frozen Llama 3 70B: the shape of "llama3-70b"; the adapter is Megatron-Bridge's PEFT
 # guide example (docs/training/peft.md: LoRA(target_modules=["linear_qkv", "linear_proj",
 # "linear_fc1", "linear_fc2"], dim=16, alpha=32)).

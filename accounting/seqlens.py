@@ -24,6 +24,7 @@ __all__ = [
     "SeqlenStats",
     "describe_malformed",
     "normalize_window",
+    "pairs_beyond",
     "seqlen_stats",
     "seqlen_stats_vector",
     "validate_cu_seqlens",
@@ -82,8 +83,8 @@ def _beyond(lengths: torch.Tensor, side: int) -> torch.Tensor:
     return torch.div(m * (m + 1), 2, rounding_mode="floor")
 
 
-def _int_python_pairs_beyond(length: int, side: int) -> int:
-    """Python-int twin of `_beyond` for one document (used by the dense constructor)."""
+def pairs_beyond(length: int, side: int) -> int:
+    """Python-int twin of `_beyond` for one document of `length` tokens (-1: unbounded, none)."""
     if side < 0:
         return 0
     m = max(0, length - 1 - side)
@@ -134,8 +135,8 @@ class SeqlenStats:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"SeqlenStats.dense: {name} = {value!r} must be an int >= 0")
         window = normalize_window(window_size)
-        left = _int_python_pairs_beyond(seq_len, window[0]) if window else 0
-        right = _int_python_pairs_beyond(seq_len, window[1]) if window else 0
+        left = pairs_beyond(seq_len, window[0]) if window else 0
+        right = pairs_beyond(seq_len, window[1]) if window else 0
         num = batch if seq_len > 0 else 0
         values = (num, batch * seq_len, batch * seq_len * seq_len)
         malformed = (0,) * (1 + len(MALFORMED))

@@ -1,5 +1,7 @@
-"""Hybrid layer patterns (Mamba-2 / attention / MLP / MoE, megatron's alphabet): FLOPs against an
-oracle re-derived from the Mamba-2 definition, and `ModelShape.from_megatron` with `hybrid_pattern`.
+"""Hybrid layer patterns (Mamba-2 / attention / MLA / DSA / MLP / MoE, megatron's alphabet): FLOPs
+against an oracle re-derived from the Mamba-2 definition, and `ModelShape.from_megatron` with
+`hybrid_pattern`. `+` (MLA) and `D` (DSA) layers are re-derived from MLA's GEMMs (DeepSeek-V2
+§2.1) and the DSA definition in unit/test_flops_dsa.py, with a per-query loop over the top-k cap.
 
 Mamba-2 (Dao & Gu 2024, arXiv:2405.21060, the Mamba-2 block and SSD recurrence): in_proj
 h -> (z, x, B, C, dt) of widths (d, d, GN, GN, H) with d = H·P; a depthwise conv of 4 taps over
@@ -16,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting import ModelShape, SeqlenStats, training_flops
+from fixtures.oracles import causal_pairs
 from unit.strategies import doc_lengths, pack_stats
 
 pytestmark = pytest.mark.L0
@@ -112,8 +115,9 @@ def test_mamba_width_is_heads_times_head_dim_not_twice_hidden():
 @pytest.mark.parametrize(
     ("pattern", "message"),
     [
-        ("MD*", r"hybrid_pattern\[1\] = 'D' \(DeepSeek sparse attention layer\) is not modelled yet"),
-        ("M+*", r"hybrid_pattern\[1\] = '\+' \(MLA layer\)"),
+        ("MD*", r"mixes '\*' attention with '\+' MLA or 'D' DSA layers, which megatron-core refuses"),
+        ("M+*", r"mixes '\*' attention with '\+' MLA or 'D' DSA layers"),
+        ("M+", r"has '\+' MLA or 'D' DSA layers but multi_latent_attention is False"),
         ("MX*", r"hybrid_pattern\[1\] = 'X' is not a megatron hybrid symbol"),
         ("M*/", r"an MTP depth after '/' has no layer"),
         ("M*-", r"has 3 main layers but num_layers = 2"),
@@ -165,3 +169,148 @@ def test_from_megatron_reads_a_real_hybrid_config_with_its_pattern():
     assert (shape.mamba_num_heads, shape.mamba_head_dim, shape.mamba_state_dim) == (8, 16, 16)
     assert shape.mamba_num_groups == 2 and shape.mtp_num_layers == 1
     assert training_flops(shape, SeqlenStats.dense(1, 9)).total == oracle(shape, [9])
+
+
+# ---------------------------------------------------------------- '+' MLA and 'D' DSA layers
+
+
+@st.composite
+def latent_hybrid_shapes(draw) -> ModelShape:
+    main = draw(st.lists(st.sampled_from("M+D-E"), min_size=1, max_size=6))
+    depths = draw(st.lists(st.text("M+D-E", min_size=1, max_size=2), max_size=1))
+    pattern = "".join(main) + "".join("/" + d for d in depths)
+    experts = draw(st.integers(1, 3))
+    return ModelShape(
+        num_layers=len(main),
+        hidden_size=16,
+        ffn_hidden_size=24,
+        num_attention_heads=draw(st.sampled_from([1, 2])),
+        vocab_size=50,
+        gated_linear_unit=draw(st.booleans()),
+        num_moe_experts=experts,
+        moe_router_topk=draw(st.integers(1, experts)),
+        moe_ffn_hidden_size=8,
+        hybrid_pattern=pattern,
+        mamba_num_heads=2,
+        mamba_head_dim=4,
+        mamba_num_groups=1,
+        mamba_state_dim=2,
+        multi_latent_attention=True,
+        q_lora_rank=draw(st.sampled_from([None, 12])),
+        kv_lora_rank=8,
+        qk_head_dim=4,
+        qk_pos_emb_head_dim=2,
+        v_head_dim=draw(st.sampled_from([4, 6])),
+        dsa_indexer_n_heads=2,
+        dsa_indexer_head_dim=4,
+        dsa_indexer_topk=draw(st.integers(1, 10)),
+        dsa_indexer_loss_coeff=draw(st.sampled_from([None, 0.5])),
+        dsa_indexer_use_sparse_loss=draw(st.booleans()),
+    )
+
+
+def latent_oracle(s: ModelShape, lengths: list[int]) -> Fraction:
+    """Training FLOPs of a pack with '+' and 'D' layers, symbol by symbol, query by query."""
+    h, n, tokens = s.hidden_size, s.num_attention_heads, sum(lengths)
+    qk, rope, v, rank, latent = (
+        s.qk_head_dim,
+        s.qk_pos_emb_head_dim,
+        s.v_head_dim,
+        s.kv_lora_rank,
+        s.q_lora_rank,
+    )
+    query = h * n * (qk + rope) if latent is None else h * latent + latent * n * (qk + rope)
+    # MLA: q, kv down (latent + rope key), kv up (n x (qk + v)) from the latent, output.
+    mla = query + h * (rank + rope) + rank * n * (qk + v) + n * v * h
+    H, P, G, N = s.mamba_num_heads, s.mamba_head_dim, s.mamba_num_groups, s.mamba_state_dim
+    d = H * P
+    mats = 3 if s.gated_linear_unit else 2
+    weights = {
+        "M": h * (2 * d + 2 * G * N + H) + (d + 2 * G * N) * 4 + d * h,
+        "+": mla,
+        "D": mla,  # absorbed: n·qk·rank + n·rank·v per token, the same multiply-adds as kv up
+        "-": mats * h * s.ffn_hidden_size,
+        "E": mats * h * s.moe_router_topk * s.moe_ffn_hidden_size,
+    }
+    symbols = [c for c in s.hybrid_pattern if c not in "|/"]
+    depths = s.hybrid_pattern.count("/")
+    total = 3 * 2 * tokens * sum(weights[c] for c in symbols)
+    total += 3 * tokens * H * (5 * P * N + 2 * P) * symbols.count("M")
+    total += 3 * 2 * n * (qk + rope + v) * causal_pairs(lengths, None) * symbols.count("+")
+    dsa = symbols.count("D")
+    hi, di, k = s.dsa_indexer_n_heads, s.dsa_indexer_head_dim, s.dsa_indexer_topk
+    loss = bool(s.dsa_indexer_loss_coeff)
+    total += 3 * 2 * n * (2 * rank + rope) * causal_pairs(lengths, k) * dsa
+    indexer = (h if latent is None else latent) * hi * di + h * di + h * hi
+    total += (2 if loss else 1) * 2 * tokens * indexer * dsa
+    total += (3 if loss else 1) * 2 * hi * (di + 1) * causal_pairs(lengths, None) * dsa
+    if loss:
+        cap = k if s.dsa_indexer_use_sparse_loss else None
+        total += 2 * n * (rank + rope) * causal_pairs(lengths, cap) * dsa
+    total += 3 * 2 * tokens * depths * (2 * h * h + 3 * h)
+    total += 3 * 2 * tokens * h * s.vocab_size * (1 + depths)
+    return total
+
+
+def _latent_stats(shape: ModelShape, lengths: list[int]) -> SeqlenStats:
+    import torch
+
+    from accounting import seqlen_stats
+    from unit.strategies import cu_from_lengths
+
+    cu = torch.tensor(cu_from_lengths(lengths, len(lengths) + 1, "repeat"))
+    return seqlen_stats(cu, window_size=shape.stats_window)
+
+
+@given(latent_hybrid_shapes(), doc_lengths(min_docs=1, max_docs=4, max_len=25))
+@settings(max_examples=60)
+def test_mla_and_dsa_hybrid_flops_equal_the_symbol_by_symbol_oracle(shape, lengths):
+    assert training_flops(shape, _latent_stats(shape, lengths)).total == latent_oracle(shape, lengths)
+
+
+@given(latent_hybrid_shapes(), doc_lengths(min_docs=1, max_docs=4, max_len=25))
+@settings(max_examples=30)
+def test_mla_and_dsa_hybrid_flops_of_a_pack_equal_the_sum_of_its_documents_alone(shape, lengths):
+    whole = training_flops(shape, _latent_stats(shape, lengths)).total
+    alone = (SeqlenStats.dense(1, x, window_size=shape.stats_window) for x in lengths)
+    assert whole == sum(training_flops(shape, one).total for one in alone)
+
+
+def test_from_megatron_reads_a_real_mla_hybrid_config_with_plus_and_d_layers():
+    pytest.importorskip("megatron.core")
+    try:
+        from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+    except ImportError:  # megatron-core 0.16.1: megatron/core/ssm/mamba_hybrid_layer_allocation.py
+        from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols
+    if not hasattr(Symbols, "MLA") or not hasattr(Symbols, "DS_ATTENTION"):
+        pytest.skip(
+            "this megatron-core release has no '+' (MLA) or 'D' (DSA) hybrid symbols (0.16.1 has M * -)"
+        )
+    assert (Symbols.MLA, Symbols.DS_ATTENTION) == ("+", "D")
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=96,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=8,
+        is_hybrid_model=True,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        mamba_state_dim=16,
+        mamba_num_groups=2,
+        dsa_indexer_n_heads=2,
+        dsa_indexer_head_dim=8,
+        dsa_indexer_topk=4,
+        add_bias_linear=False,
+    )
+    shape = ModelShape.from_megatron(config, vocab_size=128, hybrid_pattern="M+|D-")
+    assert shape.multi_latent_attention and shape.dsa_layers == 1 and shape.stats_window == (3, -1)
+    assert (shape.dsa_indexer_n_heads, shape.dsa_indexer_head_dim, shape.dsa_indexer_loss) == (2, 8, False)
+    lengths = [7, 2, 5]
+    assert training_flops(shape, _latent_stats(shape, lengths)).total == latent_oracle(shape, lengths)
