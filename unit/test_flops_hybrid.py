@@ -284,7 +284,7 @@ def test_from_megatron_reads_a_real_mla_hybrid_config_with_plus_and_d_layers():
         from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols
     if not hasattr(Symbols, "MLA") or not hasattr(Symbols, "DS_ATTENTION"):
         pytest.skip(
-            "this megatron-core release has no '+' (MLA) or 'D' (DSA) hybrid symbols (0.16.1 has M * -)"
+            "this megatron-core release has no '+' (MLA) or 'D' (DSA) hybrid symbols (0.16.1 has M * - E)"
         )
     assert (Symbols.MLA, Symbols.DS_ATTENTION) == ("+", "D")
     from megatron.core.transformer.transformer_config import MLATransformerConfig
