@@ -104,7 +104,10 @@ PRESETS: dict[str, ModelShape] = {
     # Nemotron-H 8B: Megatron-Bridge docs/models/llm/nemotronh.md "Nemotron H 8B Specifications" and
     # nvidia/Nemotron-H-8B-Base-8K config.json (52 layers in the pattern below: 24 Mamba-2, 4
     # attention, 24 MLP; hidden 4096, FFN 21504 squared-ReLU (not gated), 32 heads, 8 KV groups,
-    # head dim 128; Mamba: 128 heads x 64, state 128, 8 groups; vocab 131072).
+    # head dim 128; Mamba: 128 heads x 64, state 128, 8 groups; vocab 131072). Re-checked against
+    # transformers' NemotronHConfig defaults (which are this model's: intermediate_size 21504,
+    # mamba_num_heads 128, mamba_head_dim 64, n_groups 8, ssm_state_size 128, conv 4) and the 8B
+    # checkpoint's in_proj width 18560 = 2*8192 + 2*8*128 + 128 (z, x, B, C, dt).
     "nemotron-h-8b": ModelShape(
         num_layers=52,
         hidden_size=4096,
@@ -123,7 +126,10 @@ PRESETS: dict[str, ModelShape] = {
     # full_attention_interval 4: every 4th layer gated softmax attention (16 heads, 2 KV heads,
     # head_dim 256, attention output gate), the others gated DeltaNet (16 key heads, 32 value
     # heads, head dims 128, conv 4); every layer MoE: 512 experts, 10 routed, moe_intermediate_size
-    # 512, one shared expert of 512; SwiGLU; vocab 151936; one MTP depth).
+    # 512, one shared expert of 512; SwiGLU; vocab 151936; one MTP depth). Re-checked against that
+    # config.json (full_attention_interval 4, head_dim 256, hidden 2048, intermediate 5120 (unused:
+    # every layer is MoE, decoder_sparse_step 1), linear_* as above, moe_intermediate_size 512) and
+    # the model card (48 layers, 16 Q / 2 KV heads, 512 experts, 10 routed + 1 shared).
     "qwen3-next-80b-a3b": ModelShape(
         num_layers=48,
         hidden_size=2048,
