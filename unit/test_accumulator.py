@@ -312,7 +312,7 @@ def test_add_microbatch_makes_a_fixed_number_of_torch_calls_whatever_the_pack(pa
             acc.add_microbatch(**kwargs)
         counts.append(len(log.calls))
     assert len(set(counts)) == 1, counts
-    assert padded_and_window or counts[0] <= 34, counts
+    assert padded_and_window or counts[0] <= 36, counts
 
 
 def test_step_reads_the_statistics_back_exactly_once():
