@@ -108,7 +108,7 @@ class FlopsAccumulator:
 
     def _reset_microbatches(self) -> None:
         self._packed_sum: torch.Tensor | None = None  # int64 vector on the microbatches' device
-        self._malformed: list[torch.Tensor] = []  # per microbatch, a view of its malformed counters
+        self._vectors: list[torch.Tensor] = []  # per microbatch, its statistics vector (kept, not copied)
         self._dense = SeqlenStats.zeros(window_size=self.window)
         self.num_microbatches = 0
 
@@ -143,7 +143,7 @@ class FlopsAccumulator:
         if self.validate:
             validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, pack_len=pack_len)
         vec = seqlen_stats_vector(cu_seqlens, cu_seqlens_padded, window=self.window, pack_len=pack_len)
-        self._malformed.append(vec[_MALFORMED_AT:])  # a view: no kernel, no copy
+        self._vectors.append(vec)  # the same tensor: no kernel, no copy (the sum below is a new one)
         self._packed_sum = vec if self._packed_sum is None else self._packed_sum + vec
 
     def _add_dense(self, tokens, seq_len, micro_batch_size) -> None:
@@ -241,9 +241,10 @@ class FlopsAccumulator:
 
     def _malformed_message(self, values: dict[str, int]) -> str:
         """Which of this rank's microbatches were malformed and how (reads their counters: one sync)."""
-        local = torch.stack(self._malformed).tolist() if self._malformed else []
+        local = torch.stack(self._vectors).tolist() if self._vectors else []
         found = []
-        for index, counts in enumerate(local):
+        for index, vector in enumerate(local):
+            counts = vector[_MALFORMED_AT:]
             if counts[0]:
                 kinds = ", ".join(text for text, n in zip(MALFORMED.values(), counts[1:], strict=True) if n)
                 rows = f"{counts[0]} malformed row{'s' if counts[0] != 1 else ''}"

@@ -73,18 +73,18 @@ def normalize_window(window_size: int | tuple[int, int] | list[int] | None) -> W
     return (left, right)
 
 
-def _beyond(lengths: torch.Tensor, side: int) -> torch.Tensor:
-    """Per document, the (query, key) pairs more than `side` positions apart in one direction."""
-    if side < 0:
-        return torch.zeros_like(lengths)
-    # A document of length s has m = s - 1 - side queries with keys beyond the window,
-    # contributing 1 + 2 + ... + m = m (m + 1) / 2 pairs (m (m + 1) is always even).
-    m = torch.clamp(lengths - (1 + side), min=0)
+def _pairs_beyond(excess: torch.Tensor) -> torch.Tensor:
+    """Per document, the (query, key) pairs more than `side` positions apart in one direction.
+
+    `excess` is `length - (1 + side)`: a document of length s has m = s - 1 - side queries with
+    keys beyond the window, contributing 1 + 2 + ... + m = m (m + 1) / 2 pairs (m (m + 1) is even).
+    """
+    m = torch.clamp(excess, min=0)
     return torch.div(m * (m + 1), 2, rounding_mode="floor")
 
 
 def pairs_beyond(length: int, side: int) -> int:
-    """Python-int twin of `_beyond` for one document of `length` tokens (-1: unbounded, none)."""
+    """Python-int twin of `_pairs_beyond` for one document of `length` tokens (-1: unbounded, none)."""
     if side < 0:
         return 0
     m = max(0, length - 1 - side)
@@ -205,38 +205,25 @@ def describe_malformed(values: dict[str, int]) -> str:
     return f"{rows} malformed boundary row{'s' if rows != 1 else ''} ({kinds}): the sums are wrong"
 
 
-def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:
-    """2-D view of a 1-D or 2-D boundary tensor; rejects what metadata alone shows to be wrong."""
+def _shape(cu: torch.Tensor, name: str) -> tuple[int, ...]:
+    """The shape of a 1-D or 2-D boundary tensor; rejects what metadata alone shows to be wrong."""
     if not isinstance(cu, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+    dtype, shape = cu.dtype, tuple(cu.shape)  # each read of a tensor attribute is a torch call
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(f"{name} has dtype {dtype}: boundaries must be an integer tensor (int32 or int64)")
+    if len(shape) not in (1, 2):
         raise ValueError(
-            f"{name} has dtype {cu.dtype}: boundaries must be an integer tensor (int32 or int64)"
+            f"{name} has {len(shape)} dimensions (shape {list(shape)}): expected [n+1] or [micro_batch, n+1]"
         )
-    if cu.dim() not in (1, 2):
-        raise ValueError(
-            f"{name} has {cu.dim()} dimensions (shape {list(cu.shape)}): expected [n+1] or [micro_batch, n+1]"
-        )
-    if cu.shape[-1] < 1:
-        raise ValueError(f"{name} has shape {list(cu.shape)}: each row needs at least the leading 0")
-    return cu if cu.dim() == 2 else cu.unsqueeze(0)
+    if shape[-1] < 1:
+        raise ValueError(f"{name} has shape {list(shape)}: each row needs at least the leading 0")
+    return shape
 
 
-def _row_faults(bounds: torch.Tensor, running: torch.Tensor, pack_len: int | None) -> torch.Tensor:
-    """Bool `[4, ..., rows]`: first boundary not 0, out of order, beyond `pack_len`, int64 risk.
-
-    `bounds` are int64 boundaries `[..., rows, n+1]`, `running` their running maximum. A `-1` tail
-    runs to the end of the row, so out of order is a value other than -1 that is below the one
-    before it (which catches every negative value but -1) or that follows a -1. The int64 risk
-    bounds Σs² by Σ over rows of the row's token total squared (float64, never wraps). A few
-    elementwise kernels and reductions over the row: no sync.
-    """
-    prev, nxt = bounds[..., :-1], bounds[..., 1:]
-    order = (((nxt < prev) | (prev == -1)) & (nxt != -1)).any(-1)
-    last = running[..., -1]
-    beyond = last > pack_len if pack_len is not None else torch.zeros_like(order)
-    wraps = last.double().square().cumsum(-1) >= _INT64_LIMIT
-    return torch.stack([bounds[..., 0] != 0, order, beyond, wraps])
+def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:
+    """2-D view of a 1-D or 2-D boundary tensor; rejects what metadata alone shows to be wrong."""
+    return cu if len(_shape(cu, name)) == 2 else cu.unsqueeze(0)
 
 
 def seqlen_stats(
@@ -260,6 +247,75 @@ def seqlen_stats(
     return SeqlenStats.from_vector(vec, window=window)
 
 
+def _boundaries(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """int64 boundaries `[rows, n+1]`, or `[2, rows, n+1]` (real, padded) with padded ones; and rows."""
+    given = _shape(cu_seqlens, "cu_seqlens")
+    shape = (1, *given) if len(given) == 1 else given
+    if cu_seqlens_padded is not None:
+        padded_given = _shape(cu_seqlens_padded, "cu_seqlens_padded")
+        padded_shape = (1, *padded_given) if len(padded_given) == 1 else padded_given
+        if padded_shape[0] != shape[0]:
+            raise ValueError(f"cu_seqlens_padded has {padded_shape[0]} rows but cu_seqlens has {shape[0]}")
+        if padded_shape != shape:
+            raise ValueError(
+                f"cu_seqlens_padded has shape {list(padded_given)} but cu_seqlens has shape {list(given)}: "
+                "they must describe the same segments"
+            )
+    bounds = cu_seqlens.to(torch.int64)
+    if len(given) == 1:
+        bounds = bounds.unsqueeze(0)
+    if cu_seqlens_padded is None:
+        return bounds, shape[0]
+    padded = cu_seqlens_padded.to(device=bounds.device, dtype=torch.int64)
+    if len(padded_given) == 1:
+        padded = padded.unsqueeze(0)
+    return torch.stack([bounds, padded]), shape[0]
+
+
+def _row_faults(
+    bounds: torch.Tensor, last: torch.Tensor, pack_len: int | None
+) -> dict[str, torch.Tensor | None]:
+    """Per row (and boundary set), bool: first boundary not 0, out of order, beyond `pack_len`, int64 risk.
+
+    `bounds` are int64 boundaries `[..., rows, n+1]`, `last` the running maximum at their end. A
+    `-1` tail runs to the end of the row, so out of order is a value other than -1 that is below
+    the one before it (which catches every negative value but -1) or that follows a -1. The int64
+    risk bounds Σs² by Σ over rows of the row's token total squared (float64, never wraps). None:
+    the kind cannot occur (no `pack_len`).
+    """
+    prev, nxt = bounds[..., :-1], bounds[..., 1:]
+    return {
+        "first": bounds[..., 0] != 0,
+        "order": (((nxt < prev) | (prev == -1)) & (nxt != -1)).any(-1),
+        "beyond_pack": last > pack_len if pack_len is not None else None,
+        "int64": last.double().square().cumsum(-1) >= _INT64_LIMIT,
+    }
+
+
+def _window_columns(
+    lengths: torch.Tensor, window: Window | None, rows: int, two: bool
+) -> list[torch.Tensor | None]:
+    """Per row, the pairs beyond each bounded side: `[left, right, padded left, padded right]`.
+
+    Both sides (and, with `two`, both boundary sets) go through the same few kernels; None stands
+    for an unbounded side (zero pairs).
+    """
+    columns: list[torch.Tensor | None] = [None] * 4
+    if window is None:
+        return columns
+    sides = [i for i, side in enumerate(window) if side >= 0]
+    excess = [lengths - (1 + window[i]) for i in sides]
+    stacked = excess[0] if len(sides) == 1 else torch.stack(excess, dim=1 if two else 0)
+    sets = 2 if two else 1
+    pairs = _pairs_beyond(stacked).sum(-1).reshape(sets * len(sides), rows).unbind(0)
+    for j, column in enumerate(pairs):  # (set, side) order
+        k, i = divmod(j, len(sides))
+        columns[2 * k + sides[i]] = column
+    if not two:
+        columns[2:] = columns[:2]
+    return columns
+
+
 def seqlen_stats_vector(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor | None = None,
@@ -267,50 +323,47 @@ def seqlen_stats_vector(
     window: Window | None = None,
     pack_len: int | None = None,
 ) -> torch.Tensor:
-    """`seqlen_stats` as one int64 vector in `SeqlenStats.field_names()` order (few kernels, no sync)."""
+    """`seqlen_stats` as one int64 vector in `SeqlenStats.field_names()` order (few kernels, no sync).
+
+    Every field is first a per-row column (row sums of the per-document features, row fault
+    flags); one concatenation and one sum over the rows then give the whole vector.
+    """
     if pack_len is not None and (isinstance(pack_len, bool) or not isinstance(pack_len, int) or pack_len < 0):
         raise ValueError(f"pack_len = {pack_len!r} must be an int >= 0")
-    rows = _as_rows(cu_seqlens, "cu_seqlens")
-    if cu_seqlens_padded is None:
-        bounds = rows.to(torch.int64).unsqueeze(0)
-    else:
-        padded_rows = _as_rows(cu_seqlens_padded, "cu_seqlens_padded")
-        if padded_rows.shape[0] != rows.shape[0]:
-            raise ValueError(
-                f"cu_seqlens_padded has {padded_rows.shape[0]} rows but cu_seqlens has {rows.shape[0]}"
-            )
-        if padded_rows.shape != rows.shape:
-            raise ValueError(
-                f"cu_seqlens_padded has shape {list(cu_seqlens_padded.shape)} but cu_seqlens has shape "
-                f"{list(cu_seqlens.shape)}: they must describe the same segments"
-            )
-        padded_rows = padded_rows.to(device=rows.device, dtype=torch.int64)
-        bounds = torch.stack([rows.to(torch.int64), padded_rows])
-    # Real and padded boundaries go through every kernel together: int64 [1 or 2, rows, n+1].
+    two = cu_seqlens_padded is not None
+    # Real and padded boundaries go through every kernel together: int64 [(2,) rows, n+1].
+    bounds, rows = _boundaries(cu_seqlens, cu_seqlens_padded)
     running = torch.cummax(bounds, dim=-1).values
-    lengths = running[..., 1:] - running[..., :-1]
-    real, padded = lengths[0], lengths[-1]
-    faults = _row_faults(bounds, running, pack_len).any(1)  # [4, rows]: either boundary set
-    if cu_seqlens_padded is None:
-        longer = torch.zeros_like(faults[:1])
-    else:
-        longer = (real > padded).any(-1, keepdim=True).T
-    flags = torch.cat([faults[:3], longer, faults[3:]])  # [kind, row] in MALFORMED order
-    malformed = torch.cat([flags.any(0, keepdim=True), flags]).sum(-1)
     # Segment lengths come from the running maximum, which replaces every `-1` sentinel by the
     # last real boundary, so the tail's differences are 0 (a repeated-value tail is already 0).
-    squares = lengths * lengths
-    features = [(real > 0).to(torch.int64), real, squares[0], padded, squares[-1]]
-    if window is not None:
-        left, right = window
-        features += [_beyond(real, left), _beyond(real, right), _beyond(padded, left), _beyond(padded, right)]
-    # One reduction over all features instead of one kernel (and one tensor) per field.
-    vec = torch.stack(features).flatten(1).sum(-1)
-    no_window = [vec.new_zeros(4)] if window is None else []
-    vec = torch.cat([vec, *no_window, malformed])
+    lengths = running.diff(dim=-1)
+    faults = _row_faults(bounds, running[..., -1], pack_len)
+    tokens, squared = lengths.sum(-1), (lengths * lengths).sum(-1)
+    if two:
+        # Row 0 compares the real lengths with themselves: never longer.
+        faults["longer_than_padded"] = (lengths[:1] > lengths).any(-1)
+        real = lengths[0]
+        (tokens, padded_tokens), (squared, padded_squared) = tokens.unbind(0), squared.unbind(0)
+    else:
+        real, padded_tokens, padded_squared = lengths, tokens, squared
+    sums = [(real > 0).sum(-1), tokens, squared, padded_tokens, padded_squared]
+    sums += _window_columns(lengths, window, rows, two)
+    if any(c is None for c in sums):  # an unbounded window side: no pair beyond it
+        zero = bounds.new_zeros(rows)
+        sums = [zero if c is None else c for c in sums]
+    flags = [faults.get(kind) for kind in MALFORMED]
+    if any(f is None for f in flags):  # a kind that cannot occur (no pack_len, no padded boundaries)
+        false = bounds.new_zeros((2, rows) if two else rows, dtype=torch.bool)
+        flags = [false if f is None else f for f in flags]
+    # [kind, rows]; a row is malformed when either of its boundary sets is: one `any` over the pair.
+    kinds = torch.stack(flags).any(1) if two else torch.stack(flags)
+    # One reduction over the rows for every field instead of one kernel (and one tensor) per field.
+    # The int64 sums and the bool flags are stacked apart: on CPU, one stack of fifteen columns of
+    # mixed dtypes costs several times more than two stacks and one concatenation.
+    vec = torch.cat([torch.stack(sums), kinds.any(0, keepdim=True), kinds]).sum(-1)
     if pack_len is not None:
         # An in-place fill, not a host-to-device copy: stays sync-free on CUDA.
-        vec[3].fill_(real.shape[0] * pack_len)
+        vec[3].fill_(rows * pack_len)
     return vec
 
 

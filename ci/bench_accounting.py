@@ -3,16 +3,18 @@
 Run: `.venv/bin/python ci/bench_accounting.py [--repeat N] [--rows R]`. For packs of 8, 512 and
 8192 documents (a 2-D `[rows, n+1]` cu_seqlens with a -1 tail), prints side by side:
 
-- ours on CPU tensors: a fixed number (~15) of vectorised kernels per call whatever the number
-  of documents, so the Python/dispatcher part is constant and only the C++ kernels' time grows;
+- ours on CPU tensors: a fixed number of vectorised kernels per call whatever the number of
+  documents, so the Python/dispatcher part is constant and only the C++ kernels' time grows;
 - a straightforward syncing implementation: `.tolist()` then a Python loop over the lengths,
   whose Python time grows linearly with the documents.
 (`meta` tensors prove sync-freedom in the unit tests but are no timing baseline: their shape
 kernels run much slower than real CPU kernels.)
 
 Timings are the minimum of 5 runs (a shared, loaded machine only ever adds time); the `ops` column
-counts the torch calls one `add_microbatch` makes (counted with a TorchFunctionMode), a figure that
-load does not move. To compare two trees, run the script with `PYTHONPATH=<other tree>`.
+counts the torch calls one `add_microbatch` makes (counted with a TorchFunctionMode, attribute
+reads and views included), `kernels` the ATen operators among them that are not views (counted
+with a TorchDispatchMode): on a GPU, one launch each. Load moves neither figure. To compare two
+trees, run the script with `PYTHONPATH=<other tree>`.
 
 On a GPU the syncing version would also stall the CPU until the device catches up, every
 microbatch; that cost is not shown here. This is a benchmark, not a timed test.
@@ -24,6 +26,7 @@ import argparse
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import accounting
 from accounting import FlopsAccumulator
@@ -75,8 +78,26 @@ class _CountOps(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _CountKernels(TorchDispatchMode):
+    """Counts the ATen operators that are not views (each one a kernel launch on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
 def ops_per_call(fn) -> int:
     with _CountOps() as counter:
+        fn()
+    return counter.count
+
+
+def kernels_per_call(fn) -> int:
+    with _CountKernels() as counter:
         fn()
     return counter.count
 
@@ -91,21 +112,23 @@ def main() -> None:
         f"add_microbatch per call, 2-D cu_seqlens [{args.rows}, docs+3], int32, -1 tail; torch {torch.__version__}"
     )
     print(f"accounting from {accounting.__file__}")
-    print(f"{'docs/row':>9} {'ops':>5} {'ours (us)':>10} {'tolist loop (us)':>17} {'loop/ours':>10}")
+    print(
+        f"{'docs/row':>9} {'ops':>5} {'kernels':>8} {'ours (us)':>10} {'tolist loop (us)':>17} {'loop/ours':>10}"
+    )
     for docs in (8, 512, 8192):
         cu = make_pack(docs, args.rows)
         acc = FlopsAccumulator(packed=True)
-        ops = ops_per_call(lambda cu=cu, a=acc: a.add_microbatch(cu_seqlens=cu, seq_len=8192 * 8))
-        ours = per_call_us(
-            lambda cu=cu, a=acc: a.add_microbatch(cu_seqlens=cu, seq_len=8192 * 8), args.repeat
-        )
+        add = lambda cu=cu, a=acc: a.add_microbatch(cu_seqlens=cu, seq_len=8192 * 8)  # noqa: E731
+        add()  # counted from the second call on, the steady state (which adds to the running sum)
+        ops, kernels = ops_per_call(add), kernels_per_call(add)
+        ours = per_call_us(add, args.repeat)
         loop = per_call_us(lambda cu=cu: syncing_stats(cu), max(1, args.repeat // (1 + docs // 512)))
         expected = syncing_stats(cu)
         got = FlopsAccumulator(packed=True)
         got.add_microbatch(cu_seqlens=cu)
         stats = got.resolve().to_dict()
         assert (stats["num_sequences"], stats["tokens"], stats["squared"]) == expected, (stats, expected)
-        print(f"{docs:>9} {ops:>5} {ours:>10.1f} {loop:>17.1f} {loop / ours:>10.1f}")
+        print(f"{docs:>9} {ops:>5} {kernels:>8} {ours:>10.1f} {loop:>17.1f} {loop / ours:>10.1f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ not assumed. Expected values are plain Python sums and maxima over the inputs th
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -105,6 +106,73 @@ def test_packed_dp_reduce_is_one_exact_all_reduce_and_dense_runs_none():
         assert (out["degenerate"]["tokens"], out["degenerate"]["squared"]) == (12, 25 + 49)
         assert out["nothing_collectives"] == 1
     assert results[0]["step_flops"] == results[1]["step_flops"] > 0
+
+
+# ---------------------------------------------------------------- a malformed pack on one DP rank
+
+# Per step, per rank: the microbatches (cu_seqlens as lists) and the pack length. Step 0: rank 0's
+# microbatch 1 decreases (9 after 12); step 1: rank 1's microbatch 0 holds more tokens than its
+# pack; step 2: healthy on both ranks, to prove the ranks still run their collectives in step.
+_MALFORMED_STEPS = [
+    [([[0, 4, 9], [0, 12, 9, 20]], 32), ([[0, 7, 7], [0, 3]], 32)],
+    [([[0, 5]], 16), ([[0, 10, 17], [0, 1, 2]], 16)],
+    [([[0, 6, 10]], 16), ([[0, 2], [0, 16]], 16)],
+]
+
+
+def _malformed_rank_checks(rank: int, world_size: int, steps: list) -> dict:
+    from accounting import FlopsAccumulator, ModelShape
+
+    counter = CollectiveCounter().install()
+    shape = ModelShape(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32)
+    acc = FlopsAccumulator(packed=True, dp_group=torch.distributed.group.WORLD)
+    out = {"errors": [], "reduces": [], "step_flops": None}
+    for i, per_rank in enumerate(steps):
+        microbatches, pack_len = per_rank[rank]
+        for cu in microbatches:
+            acc.add_microbatch(cu_seqlens=torch.tensor(cu, dtype=torch.int32), seq_len=pack_len)
+        counter.phase = f"step {i}"
+        try:
+            out["step_flops"] = acc.step(shape)
+            out["errors"].append(None)
+        except ValueError as err:
+            out["errors"].append(str(err))
+        out["reduces"].append(counter.counts(counter.phase)["all_reduce"])
+        counter.phase = "setup"
+    out["state"] = acc.state_dict()
+    out["last_stats"] = acc.last_stats.to_dict()
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_a_malformed_pack_on_one_dp_rank_raises_on_both_ranks_and_none_hangs():
+    # The malformed-row counters ride the one SUM all-reduce of step(): the healthy rank sees the
+    # other rank's count and refuses the step too, after the same single collective (no rank waits
+    # in a collective its peer never enters; run_ranks reports a hang as a failure within its timeout).
+    results = run_ranks(_malformed_rank_checks, 2, args=(_MALFORMED_STEPS,), timeout=120)
+    decrease = "a boundary smaller than the one before it"
+    beyond = "more tokens than the pack length"
+    own = "FlopsAccumulator.step: microbatch {} has 1 malformed row ({}"
+    other = "FlopsAccumulator.step: another data-parallel rank's microbatches: 1 malformed boundary row (1 with {}"
+    expected_starts = [
+        [own.format(1, decrease), other.format(beyond)],  # rank 0: its own step-0 fault, rank 1's in step 1
+        [other.format(decrease), own.format(0, beyond)],
+    ]
+    for rank, out in enumerate(results):
+        for error, start in zip(out["errors"][:2], expected_starts[rank], strict=True):
+            assert error is not None and error.startswith(start), (rank, error)
+            assert error.endswith("validate_cu_seqlens(...) names the index"), error
+        assert out["errors"][2] is None
+        assert out["reduces"] == [1, 1, 1]  # one all-reduce per step, refused or not
+    # Only the healthy step counted: the refused steps added nothing (plain Python sums as oracle).
+    healthy = [cu for microbatches, _ in _MALFORMED_STEPS[2] for cu in microbatches]
+    lengths = [b - a for cu in healthy for a, b in itertools.pairwise(cu)]
+    for out in results:
+        assert out["last_stats"]["tokens"] == out["state"]["total_tokens"] == sum(lengths) == 28
+        assert out["last_stats"]["squared"] == sum(s * s for s in lengths)
+        assert out["last_stats"]["padded_tokens"] == out["state"]["total_padded_tokens"] == 3 * 16
+        assert out["state"]["steps"] == 1 and out["last_stats"]["malformed_rows"] == 0
+    assert results[0]["step_flops"] == results[1]["step_flops"] == results[0]["state"]["total_flops"] > 0
 
 
 # ---------------------------------------------------------------- CP=2 x DP=2 on 4 ranks

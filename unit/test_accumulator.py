@@ -287,6 +287,34 @@ def test_add_microbatch_calls_no_syncing_function_even_on_malformed_input():
     assert log.calls and not [c for c in log.calls if c in SYNCS]
 
 
+def _sentinel_pack(docs: int, rows: int) -> torch.Tensor:
+    """`rows` rows of `docs` documents of 3 tokens, then a -1 tail of 2 (int32)."""
+    cu = torch.arange(0, 3 * (docs + 1), 3).expand(rows, -1)
+    return torch.cat([cu, torch.full((rows, 2), -1)], dim=1).to(torch.int32)
+
+
+@pytest.mark.parametrize("padded_and_window", [False, True])
+def test_add_microbatch_makes_a_fixed_number_of_torch_calls_whatever_the_pack(padded_and_window):
+    # The sync-free path is a fixed sequence of vectorised kernels: its torch calls (kernel launches
+    # on a GPU, views and attribute reads aside) grow neither with the documents nor with the rows.
+    # The ceiling is issue 12's budget (55 calls before it); ci/bench_accounting.py measures the cost.
+    acc = FlopsAccumulator(packed=True, window_size=(3, 1) if padded_and_window else None)
+    counts = []
+    for docs, rows in ((1, 1), (300, 1), (300, 8)):
+        cu = _sentinel_pack(docs, rows)
+        kwargs = {
+            "cu_seqlens": cu,
+            "cu_seqlens_padded": cu if padded_and_window else None,
+            "seq_len": 3 * docs,
+        }
+        acc.add_microbatch(**kwargs)  # the steady state: later calls also add to the running sum
+        with CallLog() as log:
+            acc.add_microbatch(**kwargs)
+        counts.append(len(log.calls))
+    assert len(set(counts)) == 1, counts
+    assert padded_and_window or counts[0] <= 36, counts
+
+
 def test_step_reads_the_statistics_back_exactly_once():
     acc = FlopsAccumulator(packed=True)
     for _ in range(3):
