@@ -40,8 +40,9 @@ NODE_TESTS = textwrap.dedent(
     import torch.distributed as dist
 
     # The installed kit, as on a real cluster (this repository's `fixtures` is not shipped). No
-    # setup of its own: the kit keeps the job's process group across tests (one per test races)
-    # and turns the agent's SIGTERM into an interrupt so that every rank writes its report.
+    # setup of its own: run_ranks makes a group per call under a store prefix of its own (an
+    # unprefixed second group can read stale gloo addresses from the agent's store), and the
+    # plugin turns the agent's SIGTERM into an interrupt so that every rank writes its report.
     from megatron_testkit.ranks import run_ranks
 
 

@@ -11,8 +11,7 @@ What it does for every test:
   (fails them instead when ``KIT_REQUIRE_GPUS`` promises the GPUs: `devices.gpu_gate`);
 - guards the shared session (`kit_leak_guard`, autouse) on tests that launched ranks, are marked
   ``world_size`` or ``leak_guard``, or on every test with ``kit_leak_guard = all`` (ini; ``off``
-  disables it): no child process and no initialised default process group may outlive the test
-  (under torchrun the job's group, which `run_ranks` keeps for the process, is not a leak);
+  disables it): no child process and no initialised default process group may outlive the test;
 - under torchrun, turns the agent's SIGTERM into a KeyboardInterrupt so every rank writes its report;
   Other tests are left alone, so a project's own long-lived workers (a ProcessPoolExecutor kept
   across tests) survive; the pytest process' RSS growth is recorded for every test;
@@ -322,7 +321,6 @@ def kit_leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     ``kit_leak_guard`` ini option selects (see the module docstring); the rest are untouched.
     """
     from megatron_testkit import proctree
-    from megatron_testkit.ranks import in_torchrun
 
     mode = _leak_guard_mode(request.config)
     if mode == "off":
@@ -346,8 +344,7 @@ def kit_leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
                 proc.kill()
         psutil.wait_procs(leaked, timeout=5)
     request.node.stash[_LEAKED] = len(leaked)
-    # Under torchrun this process is a rank of the job, and the group run_ranks keeps is the job's.
-    if _default_group_initialised() and not group_before and not in_torchrun():
+    if _default_group_initialised() and not group_before:
         with contextlib.suppress(Exception):
             sys.modules["torch.distributed"].destroy_process_group()
         problems.append(

@@ -1,23 +1,25 @@
 """`run_ranks` inside a torchrun job: run on this rank, in this process, with the job's group.
 
 torchrun has already started one process per rank and handles tearing the job down, so nothing is
-spawned here. The default process group is created from the environment (``env://``) unless the
-job already has one, and then kept for the rest of the process, as a training job holds its group:
-creating and destroying one per test races (a rank may read a peer's gloo address of the previous
-group from the store and be refused). It is destroyed at exit. Every rank gets every rank's return
-value, as with the spawning launcher. (The plugin turns the agent's SIGTERM into a
+spawned here. Unless the job already has a default process group, one is created for the call from
+the environment (``env://``) and destroyed after it, as each spawned launch has its own. Each such
+group keys its rendezvous under a prefix of its own (`_GROUPS` counts them; every rank makes the
+same calls in the same order): torchrun's agent store outlives the groups, and an unprefixed second
+group could read a peer's gloo address of the previous one and be refused. Every rank gets every
+rank's return value, as with the spawning launcher. (The plugin turns the agent's SIGTERM into a
 KeyboardInterrupt, so a rank's pytest writes its report when a peer fails.)
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
+import itertools
 import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+_GROUPS = itertools.count()  # the default groups this process created, in order (a store prefix each)
 
 
 def run_in_torchrun(
@@ -27,8 +29,6 @@ def run_in_torchrun(
     __tracebackhide__ = True
     import torch
     import torch.distributed as dist
-
-    from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause
 
     rank, job_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if job_size != world_size:
@@ -43,8 +43,31 @@ def run_in_torchrun(
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-        atexit.register(_destroy_group)
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size))
+        store = dist.PrefixStore(f"megatron_testkit/run_ranks/{next(_GROUPS)}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    try:
+        return _run_and_gather(fn, rank, world_size, args, backend, created, started)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_and_gather(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: Sequence[Any],
+    backend: str,
+    created: bool,
+    started: float,
+) -> list[Any]:
+    """``fn`` on this rank, then every rank's result; a failure becomes a RankFailure naming the rank."""
+    __tracebackhide__ = True
+    import torch.distributed as dist
+
+    from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause
+
     try:
         result = fn(rank, world_size, *args)
     except BaseException as exc:
@@ -71,15 +94,6 @@ def run_in_torchrun(
         world_size, backend if created else dist.get_backend() if dist.is_initialized() else backend, started
     )
     return results
-
-
-def _destroy_group() -> None:
-    """At exit: the group this module created, if nobody destroyed it since."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
 
 
 def _record(world_size: int, backend: str, started: float) -> None:
