@@ -466,13 +466,14 @@ class _Launch:
             )
 
     def _oom_counters(self) -> runner_limit.OomCounters | None:
-        """The group's OOM counters; in a shared group (not KIT_RANK_CGROUP) without failcnt, which
-        rises there on page-cache reclaim alone."""
+        """The group's OOM counters; in the launcher's own, shared group (no KIT_RANK_CGROUP) its
+        local kills only and no failcnt, which rises there on page-cache reclaim alone."""
         if self.cgroup is None:
             return None
-        counters = runner_limit.read_oom_counters(self.cgroup)
         if os.environ.get(runner_limit.RANK_CGROUP_ENV):
-            return counters
+            return runner_limit.read_oom_counters(self.cgroup)
+        # The own group: its own kills only (other launches' rank groups may be its children).
+        counters = runner_limit.read_oom_counters(self.cgroup, local=True)
         return runner_limit.OomCounters(counters.oom_kill, None, counters.source)
 
     def running(self) -> list[_RankProcess]:

@@ -91,11 +91,16 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def read_oom_counters(group: str | os.PathLike[str]) -> OomCounters:
+def read_oom_counters(group: str | os.PathLike[str], *, local: bool = False) -> OomCounters:
     """The group's ``oom_kill`` (v2 ``memory.events``, else v1 ``memory.oom_control``) and v1's
-    ``memory.failcnt``; fields the group does not have (or that cannot be read) are None."""
+    ``memory.failcnt``; fields the group does not have (or that cannot be read) are None.
+
+    ``local``: kills in this group only, not in its descendants (v2 ``memory.events.local``; v1's
+    counter is the group's own already), for a group other launches' child groups may live under.
+    """
     group = Path(group)
-    for name in ("memory.events", "memory.oom_control"):
+    names = ("memory.events.local",) if local else ()
+    for name in (*names, "memory.events", "memory.oom_control"):
         try:
             text = (group / name).read_text()
         except OSError:

@@ -60,6 +60,12 @@ def test_oom_counters_read_v2_events_then_v1_oom_control_then_failcnt(tmp_path: 
         "memory.events": "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n",
     })  # fmt: skip
     assert read_oom_counters(v2) == OomCounters(2, None, "memory.events")
+    # A group's own kills only (v2 counts its descendants' in memory.events): the local file,
+    # where the kernel keeps one (Linux 5.2+); otherwise the hierarchical one.
+    assert read_oom_counters(v2, local=True) == OomCounters(2, None, "memory.events")
+    (v2 / "memory.events.local").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 0\noom_group_kill 0\n")
+    assert read_oom_counters(v2, local=True) == OomCounters(0, None, "memory.events.local")
+    assert read_oom_counters(v2) == OomCounters(2, None, "memory.events")
     (tmp_path / "v1").mkdir()
     v1 = _group(tmp_path / "v1", {
         "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
