@@ -24,6 +24,16 @@ if ! [[ $mcore =~ ^[0-9]+(\.[0-9]+)*([a-z0-9.+-]*)$ ]]; then
   exit 2
 fi
 
+# Fails unless interpreter $1 imports megatron-core $mcore; $2 names where it looked.
+check_installed() {
+  local got
+  got=$("$1" -c 'from importlib.metadata import version; print(version("megatron-core"))')
+  if [ "$got" != "$mcore" ]; then
+    echo "ci/setup.sh: asked for megatron-core $mcore, $2 has $got" >&2
+    exit 1
+  fi
+}
+
 # Another release than the newest, in the default place: an overlay venv over `.venv` (the newest
 # release's), holding only that megatron-core. Everything else (torch, the kit, its extras) is
 # `.venv`'s, reached through a .pth file, so a second release costs seconds, not a second 2 GB install.
@@ -43,11 +53,7 @@ if [ "${KIT_SYSTEM_PYTHON:-0}" != "1" ] && [ -z "${KIT_VENV:-}" ] && [ "$mcore" 
     echo "import site; site.addsitedir('$(cd "$base_site" && pwd)')" >"$site/_kit_base_venv.pth"
     "$base_py" -m pip --disable-pip-version-check -q install --no-deps --ignore-requires-python \
       --target "$site" "megatron-core==$mcore" >&2
-    got=$("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))')
-    if [ "$got" != "$mcore" ]; then
-      echo "ci/setup.sh: asked for megatron-core $mcore, the overlay $venv has $got" >&2
-      exit 1
-    fi
+    check_installed "$py" "the overlay $venv"
     echo "$want" >"$venv/.kit-installed"
   fi
   echo "$py"
@@ -109,10 +115,6 @@ if ! command -v shellcheck >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v a
   { apt-get install -y -q shellcheck || { apt-get update -q && apt-get install -y -q shellcheck; }; } >&2 ||
     echo "ci/setup.sh: could not install shellcheck; unit/test_workflows.py will say so" >&2
 fi
-got=$("$py" -c 'from importlib.metadata import version; print(version("megatron-core"))')
-if [ "$got" != "$mcore" ]; then
-  echo "ci/setup.sh: asked for megatron-core $mcore, $stamp_dir has $got" >&2
-  exit 1
-fi
+check_installed "$py" "$stamp_dir"
 echo "$want" >"$stamp"
 echo "$py"
