@@ -121,13 +121,16 @@ def merge(sources: list[Source]) -> dict[str, Any]:
                 merged["failures"].append(
                     {**row["failure"], "node": source.node, "process_rank": rank, "report": str(source.path)}
                 )
+    # Under torchrun every rank names the same root cause (the kit gathers each rank's outcome):
+    # the root's node is the node of the process that holds that rank, not of the reporting one.
+    rank_nodes = {rank: node for node, rank in seen if rank is not None}
     for nodeid, merged in rows.items():
         merged["ranks"].sort(key=lambda r: (r["rank"], r["node"]))
         # Under torchrun each process is one rank: a test whose ranks all failed before the kit
         # could record a launch still ran on as many ranks as processes reported it.
         processes = {(node, rank) for node, rank, test in seen_tests if test == nodeid}
         merged["world_size"] = max(merged["world_size"], len(processes))
-        merged["failure"] = _root(merged["failures"])
+        merged["failure"] = _root(merged["failures"], rank_nodes)
     expected = set(range(world))
     ranks_seen = {rank for _node, rank in seen if rank is not None}
     session = {
@@ -200,15 +203,24 @@ def _empty_row(nodeid: str) -> dict[str, Any]:
     }
 
 
-def _root(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The failure to lead with: named by the launcher, not a knock-on, lowest global rank."""
+def _root(failures: list[dict[str, Any]], rank_nodes: dict[int, int] | None = None) -> dict[str, Any] | None:
+    """The failure to lead with: named by the launcher, not a knock-on, lowest global rank, as the
+    failing rank's own process reported it where it did; its node is that rank's (`rank_nodes`)."""
     if not failures:
         return None
     named = [f for f in failures if f.get("kind") and f.get("rank") is not None]
     pool = [f for f in named if not _is_knock_on(f)] or named or failures
-    root = min(pool, key=lambda f: (f.get("rank") if f.get("rank") is not None else 1 << 30, f["node"]))
+    root = min(
+        pool,
+        key=lambda f: (
+            f.get("rank") if f.get("rank") is not None else 1 << 30,
+            f.get("process_rank") != f.get("rank"),
+            f["node"],
+        ),
+    )
+    node = (rank_nodes or {}).get(root.get("rank"), root["node"])
     first = root.get("first_line") or ""
-    return {**root, "first_line": f"node {root['node']}: {first}"}
+    return {**root, "node": node, "first_line": f"node {node}: {first}"}
 
 
 def format_merged_markdown(report: dict[str, Any]) -> str:

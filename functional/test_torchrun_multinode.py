@@ -68,6 +68,11 @@ NODE_TESTS = textwrap.dedent(
 
     def test_planted_failure_on_node_1():
         run_ranks(planted, 4)
+
+
+    def test_the_next_test_runs_on_every_rank():
+        # Reached by all four only if the planted failure ended that test on every rank.
+        assert [r[0] for r in run_ranks(total, 4)] == [10.0] * 4
     """
 )
 
@@ -187,3 +192,15 @@ def test_the_failure_planted_on_node_1_is_named_by_node_rank_and_kind(job: dict[
     assert f"node 1: rank {PLANTED_RANK} error" in job["merge"].stdout
     # The job as a whole failed, as a torchrun job with a failing rank must.
     assert any(code != 0 for code in job["codes"])
+
+
+def test_every_rank_names_the_planted_rank_and_the_session_goes_on(job: dict[str, Any]) -> None:
+    # Each rank's outcome is gathered: all four processes end the failing test with the same root
+    # cause (no peer waits for a result until the agent tears the job down), then run the next one.
+    planted = job["rows"]["test_planted_failure_on_node_1"]
+    reporters = sorted((f["node"], f["process_rank"]) for f in planted["failures"])
+    assert reporters == [(0, 0), (0, 1), (1, 2), (1, 3)], job["logs"]
+    assert {(f["rank"], f["kind"]) for f in planted["failures"]} == {(PLANTED_RANK, "error")}
+    after = job["rows"]["test_the_next_test_runs_on_every_rank"]
+    assert after["outcome"] == "passed", job["logs"]
+    assert [(r["node"], r["rank"]) for r in after["ranks"]] == [(0, 0), (0, 1), (1, 2), (1, 3)]

@@ -62,38 +62,58 @@ def _run_and_gather(
     created: bool,
     started: float,
 ) -> list[Any]:
-    """``fn`` on this rank, then every rank's result; a failure becomes a RankFailure naming the rank."""
+    """``fn`` on this rank, then every rank's outcome, gathered: a rank whose ``fn`` raised is named
+    on every rank (one RankFailure, the same root cause), so its peers end the test too instead of
+    waiting for results that never come (and the session's next test starts on every rank)."""
     __tracebackhide__ = True
     import torch.distributed as dist
 
     from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause
 
     try:
-        result = fn(rank, world_size, *args)
-    except BaseException as exc:
-        record = RankRecord(
-            rank=rank,
-            status="failed",
-            time=time.time(),
-            exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
-            exc_message=str(exc),
-            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        )
-        root = root_cause([record])
-        assert root is not None
+        outcome: tuple[str, Any] = ("ok", fn(rank, world_size, *args))
+    except Exception as exc:
+        outcome = ("failed", _failed_record(rank, exc))
+    except BaseException as exc:  # an interrupt (the agent's SIGTERM): no peer to wait for
+        record = _failed_record(rank, exc)
         raise RankFailure(
-            format_failure(root, [record]),
-            rank=rank,
-            kind=root.kind or "error",
-            records=[record],
-            log_dir=None,
-        ) from exc
-    results: list[Any] = [None] * world_size
-    dist.all_gather_object(results, result)
+            format_failure(root_cause([record]) or record, [record]),
+            rank=rank, kind=record.kind or "error", records=[record], log_dir=None,
+        ) from exc  # fmt: skip
+    outcomes: list[Any] = [None] * world_size
+    dist.all_gather_object(outcomes, outcome)
     _record(
         world_size, backend if created else dist.get_backend() if dist.is_initialized() else backend, started
     )
-    return results
+    if all(status == "ok" for status, _ in outcomes):
+        return [value for _, value in outcomes]
+    records = [
+        value if status == "failed" else RankRecord(rank=r, status="ok")
+        for r, (status, value) in enumerate(outcomes)
+    ]
+    root = root_cause(records)
+    assert root is not None
+    raise RankFailure(
+        format_failure(root, records),
+        rank=root.rank,
+        kind=root.kind or "error",
+        records=records,
+        log_dir=None,
+    )
+
+
+def _failed_record(rank: int, exc: BaseException) -> Any:
+    """This rank's failure as a RankRecord (picklable: it is gathered to every rank)."""
+    from megatron_testkit.diagnosis import RankRecord
+
+    return RankRecord(
+        rank=rank,
+        status="failed",
+        time=time.time(),
+        exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        exc_message=str(exc),
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    )
 
 
 def _record(world_size: int, backend: str, started: float) -> None:

@@ -78,6 +78,18 @@ def test_the_planted_failure_is_the_root_cause_not_a_lower_rank_knock_on(tmp_pat
     assert rows["t.py::test_bad"]["world_size"] == 4
 
 
+def test_every_process_naming_the_same_rank_gives_that_ranks_node_and_its_own_report(tmp_path: Path) -> None:
+    # The kit gathers each rank's outcome under torchrun: all four processes name rank 3 (node 1).
+    for rank in range(4):
+        words = "ValueError: planted" if rank == 3 else "ValueError: planted (as rank 3 reported it)"
+        failure = {"rank": 3, "kind": "error", "first_line": f"rank 3 error: {words}"}
+        _write(tmp_path / "reports", rank // 2, rank, [_row("t.py::test_bad", "failed", rank, failure)])
+    report = merge_reports.merge(merge_reports.find_reports([tmp_path / "reports"]))
+    root = report["tests"][0]["failure"]
+    assert (root["node"], root["rank"], root["process_rank"]) == (1, 3, 3)
+    assert root["first_line"] == "node 1: rank 3 error: ValueError: planted"
+
+
 def test_passing_rows_keep_every_rank_with_its_node_and_the_maximum_peak(tmp_path: Path) -> None:
     _job(tmp_path / "reports", planted=1)
     report = merge_reports.merge(merge_reports.find_reports([tmp_path / "reports"]))
