@@ -343,7 +343,10 @@ class _Launch:
         # a CI job's): a kernel OOM kill there is read from its oom_kill counter alone.
         group = os.environ.get(runner_limit.RANK_CGROUP_ENV)
         self.cgroup = Path(group) if group else runner_limit.memory_cgroup_of()
-        self.cgroup_role = "the ranks' memory cgroup" if group else "the launcher's own memory cgroup"
+        self.own_cgroup = not group  # decided once: the counters read before and after must match
+        self.cgroup_role = (
+            "the launcher's own memory cgroup" if self.own_cgroup else "the ranks' memory cgroup"
+        )
         self.oom_before = self._oom_counters()
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
@@ -470,7 +473,7 @@ class _Launch:
         local kills only and no failcnt, which rises there on page-cache reclaim alone."""
         if self.cgroup is None:
             return None
-        if os.environ.get(runner_limit.RANK_CGROUP_ENV):
+        if not self.own_cgroup:
             return runner_limit.read_oom_counters(self.cgroup)
         # The own group: its own kills only (other launches' rank groups may be its children).
         counters = runner_limit.read_oom_counters(self.cgroup, local=True)
