@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any
 
-from fixtures.ranks import RankFailure, run_ranks
+from megatron_testkit.ranks import RankFailure, run_ranks
 
 
 def oom_rank(rank: int, world_size: int) -> None:

@@ -331,8 +331,8 @@ class Check:
         import torch
 
         import accounting  # noqa: F401
-        import fixtures.ranks
         import fixtures.training  # noqa: F401
+        import megatron_testkit.ranks  # noqa: F401
         from megatron_testkit import devices, flight_recorder  # noqa: F401
 
         figures: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__}
@@ -358,9 +358,9 @@ class Check:
 
     # -- memory ------------------------------------------------------------------------------------
     def step_memory(self) -> dict[str, Any]:
-        from fixtures.budgets import MemoryBudget
-        from fixtures.ranks import RankFailure, run_ranks
         from megatron_testkit import devices
+        from megatron_testkit.budgets import MemoryBudget
+        from megatron_testkit.ranks import RankFailure, run_ranks
 
         budget = MemoryBudget.parse(device="1GiB")
         cap = devices.device_memory_cap(budget.device_bytes, {})
@@ -407,7 +407,7 @@ class Check:
         fr_dir.mkdir(parents=True, exist_ok=True)
         if self.dry:
             return self._canned_dump(fr_dir)
-        from fixtures.ranks import RankFailure, run_ranks
+        from megatron_testkit.ranks import RankFailure, run_ranks
 
         env = fr.nccl_env(fr_dir)
         stem = env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
@@ -451,8 +451,8 @@ class Check:
 
     def _canned_dump(self, fr_dir: Path) -> dict[str, Any]:
         """Dry run: a real flight-recorder dump of a two-rank gloo desync, parsed and diagnosed."""
-        from fixtures.ranks import run_ranks
         from megatron_testkit import flight_recorder as fr
+        from megatron_testkit.ranks import run_ranks
 
         env = fr.nccl_env(fr_dir)
         stem = str(fr_dir / "canned_rank")
@@ -480,7 +480,7 @@ class Check:
 
     # -- sync debug mode ---------------------------------------------------------------------------
     def step_sync(self) -> dict[str, Any]:
-        from fixtures.ranks import run_ranks
+        from megatron_testkit.ranks import run_ranks
 
         backend, device = ("gloo", "cpu") if self.dry else ("nccl", "cuda")
         got = run_ranks(sync_rank, 1, backend=backend, args=(device,), timeout=min(120, self.remaining()))[0]
@@ -500,7 +500,7 @@ class Check:
 
     # -- GPT ------------------------------------------------------------------------------------------
     def step_gpt(self) -> dict[str, Any]:
-        from fixtures.ranks import run_ranks
+        from megatron_testkit.ranks import run_ranks
 
         root = self.out / "gpt_checkpoint"
         if self.dry:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fixtures.budgets import format_size
+from megatron_testkit.budgets import format_size
 from megatron_testkit.runner_limit import (
     RANK_CGROUP_ENV,
     cgroup_mounts,

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fixtures.diagnosis import RankRecord, classify
-from fixtures.report import build_report, format_markdown
+from megatron_testkit.diagnosis import RankRecord, classify
+from megatron_testkit.report import build_report, format_markdown
 
 _NODE = re.compile(r"^node[-_]?(\d+)$")
 _RANK = re.compile(r"^rank[-_]?(\d+)$")

@@ -1,7 +1,7 @@
 """The accounting library's collectives on real process groups (gloo on CPU, NCCL with enough GPUs).
 
 Each spawn runs several checks in one rank function (a spawn costs seconds). Collectives are
-counted for real inside the ranks (`fixtures.collectives.CollectiveCounter` wraps
+counted for real inside the ranks (`megatron_testkit.collectives.CollectiveCounter` wraps
 `torch.distributed`'s functions), so "exactly one all-reduce" and "no collective" are measured,
 not assumed. Expected values are plain Python sums and maxima over the inputs the parent generated.
 """
@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from fixtures.collectives import COLLECTIVES, CollectiveCounter
 from fixtures.oracles import max_over_ranks
-from fixtures.ranks import run_ranks
+from megatron_testkit.collectives import COLLECTIVES, CollectiveCounter
+from megatron_testkit.ranks import run_ranks
 from unit.strategies import cu_from_lengths
 
 pytestmark = [pytest.mark.L0]

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fixtures.attention_te import te_vs_reference_worker
-from fixtures.ranks import run_ranks
+from megatron_testkit.ranks import run_ranks
 
 # Head dims TE can run THD + CP + padding with. Only cuDNN's fused attention takes that case: TE
 # disables UnfusedDotProductAttention for qkv_format "thd" and under context parallelism, and

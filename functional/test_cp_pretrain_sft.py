@@ -30,10 +30,10 @@ import torch
 
 from fixtures.megatron import checkpoint_common_state
 from fixtures.oracles import megatron_lm_step_flops
-from fixtures.ranks import run_ranks
 from fixtures.rounding import BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, per_token_loss_tolerance
 from fixtures.tensorboard import read_scalars
 from fixtures.training import ModelConfig
+from megatron_testkit.ranks import run_ranks
 
 # --------------------------------------------------------------------------------- the scenario
 

@@ -313,7 +313,7 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
     assert rows["test_without_ranks"]["world_size"] == 0
     assert rows["test_without_ranks"]["ranks"] == []
     # Same test id, same seed: the seed is derived from the node id, not drawn.
-    from fixtures.attribution import seed_for
+    from megatron_testkit.attribution import seed_for
 
     assert rows["test_good_pair"]["seed"] == seed_for(rows["test_good_pair"]["nodeid"])
     markdown = (scenarios["dir"] / "kit-report.md").read_text()

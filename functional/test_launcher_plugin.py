@@ -16,7 +16,7 @@ import pytest
 # an inner session, and torch's C extension cannot be imported a second time.
 import torch.distributed  # noqa: F401
 
-from fixtures.ranks import run_ranks
+from megatron_testkit.ranks import run_ranks
 
 pytest_plugins = ["pytester"]
 
@@ -47,7 +47,7 @@ def test_markers_are_registered_by_the_plugin_itself(pytester: pytest.Pytester) 
     )
     result = pytester.runpytest("--strict-markers", "-rs", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, skipped=2)
-    from fixtures.ranks import cuda_device_count
+    from megatron_testkit.ranks import cuda_device_count
 
     if cuda_device_count() == 0:
         result.stdout.fnmatch_lines(["*needs CUDA (marked gpu); no CUDA device is visible*"])

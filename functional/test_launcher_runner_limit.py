@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fixtures.ranks import RankFailure, run_ranks
+from megatron_testkit.ranks import RankFailure, run_ranks
 
 pytestmark = pytest.mark.L0
 

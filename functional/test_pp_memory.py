@@ -28,7 +28,7 @@ layers and no logits-sized tensors (vocabulary 128) on each stage. A test assert
 own peak is the larger one, so a pipeline where the last stage's report happened to win would be
 noticed.
 
-Collectives are counted for real inside each rank (`fixtures.collectives.CollectiveCounter`):
+Collectives are counted for real inside each rank (`megatron_testkit.collectives.CollectiveCounter`):
 a logging step adds exactly one collective over the PP group; with logging disabled the logging
 block runs none, and the training steps run the same collectives either way.
 """
@@ -43,11 +43,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fixtures.collectives import CollectiveCounter
 from fixtures.oracles import max_over_ranks, megatron_lm_step_flops
-from fixtures.ranks import run_ranks
 from fixtures.tensorboard import read_scalars
 from fixtures.training import ModelConfig
+from megatron_testkit.collectives import CollectiveCounter
+from megatron_testkit.ranks import run_ranks
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,8 @@ def pp_memory_rank(rank: int, world_size: int, scenario: PPScenario, out: str, l
 
     from accounting import memory_report, reduce_max_memory
     from fixtures.megatron import cpu_shim, destroy_model_parallel
-    from fixtures.rank_worker import peak_rss_bytes  # the launcher's VmHWM reader, not accounting's
     from fixtures.training import ParallelConfig, TrainConfig, Trainer
+    from megatron_testkit.rank_worker import peak_rss_bytes  # the launcher's VmHWM reader, not accounting's
 
     with cpu_shim():
         trainer = Trainer(

@@ -39,8 +39,8 @@ import pytest
 import torch
 
 from fixtures.oracles import reference_stats  # numpy float64, independent of the inspector
-from fixtures.ranks import run_ranks
 from fixtures.tensorboard import read_scalars
+from megatron_testkit.ranks import run_ranks
 
 LAYERS = r".*(fc1|fc2)"
 TENSORS = ("activation", "weight", "gradient")
@@ -161,8 +161,8 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str, bf16: bool | None 
 
     from accounting.inspector import InspectConfig, TensorInspector, start_nvdlfw_session
     from fixtures.megatron import cpu_shim, destroy_model_parallel
-    from fixtures.rank_worker import peak_rss_bytes  # VmHWM: this rank's own high-water mark
     from fixtures.training import ModelConfig, ParallelConfig, TrainConfig, Trainer
+    from megatron_testkit.rank_worker import peak_rss_bytes  # VmHWM: this rank's own high-water mark
 
     out_dir = Path(out)
     model_config = ModelConfig(

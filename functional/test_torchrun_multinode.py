@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import pytest
 
-from fixtures import proctree
+from megatron_testkit import proctree
 
 pytestmark = pytest.mark.L1
 

@@ -49,10 +49,7 @@ CUDA_HOST_ALLOWANCE = 4 * 1024**3
 
 
 def _parse_size(value: str, name: str) -> int:
-    try:
-        from megatron_testkit.budgets import parse_size
-    except ImportError:  # before the kit's modules moved into megatron_testkit (issue 9)
-        from fixtures.budgets import parse_size
+    from megatron_testkit.budgets import parse_size
 
     try:
         size = parse_size(value)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fixtures.budgets import MemoryBudget, format_size, parse_size
+from megatron_testkit.budgets import MemoryBudget, format_size, parse_size
 
 pytestmark = pytest.mark.L0
 
@@ -115,7 +115,7 @@ def test_format_size_picks_a_readable_unit() -> None:
     ],
 )
 def test_device_cap_is_the_smaller_of_budget_and_emulated_card(monkeypatch, budget, card, expected):
-    from fixtures.rank_worker import device_cap
+    from megatron_testkit.rank_worker import device_cap
 
     if card is None:
         monkeypatch.delenv("KIT_DEVICE_MEMORY", raising=False)

@@ -232,7 +232,7 @@ def desync_body(rank: int, world_size: int, out: str) -> bool:
 @pytest.mark.L1
 @pytest.mark.world_size(2)
 def test_the_diagnosis_of_a_real_two_rank_desync_names_the_rank_that_never_entered(tmp_path, monkeypatch):
-    from fixtures.ranks import run_ranks
+    from megatron_testkit.ranks import run_ranks
 
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
     assert run_ranks(desync_body, 2, backend="gloo", args=(str(tmp_path),), timeout=180) == [True, True]
@@ -266,7 +266,7 @@ def desync_then_fail(rank: int, world_size: int) -> None:
 @pytest.mark.L1
 @pytest.mark.world_size(2)
 def test_a_failed_launch_says_what_the_flight_recorder_dumps_show(monkeypatch):
-    from fixtures.ranks import RankFailure, run_ranks
+    from megatron_testkit.ranks import RankFailure, run_ranks
 
     monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "2000")
     with pytest.raises(RankFailure) as info:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.report import ReportCollector, build_report, format_markdown, format_table, write_report
+from megatron_testkit.report import ReportCollector, build_report, format_markdown, format_table, write_report
 
 pytestmark = pytest.mark.L0
 

@@ -1,4 +1,4 @@
-"""The failure report's verdict rules (`fixtures.diagnosis`), on hand-built rank records.
+"""The failure report's verdict rules (`megatron_testkit.diagnosis`), on hand-built rank records.
 
 The real faults are caused in functional/test_launcher.py; here each rule is pinned down on its
 own, including orders of events that are hard to provoke on purpose.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from fixtures.diagnosis import RankRecord, format_failure, root_cause, signal_name
+from megatron_testkit.diagnosis import RankRecord, format_failure, root_cause, signal_name
 
 pytestmark = pytest.mark.L0
 

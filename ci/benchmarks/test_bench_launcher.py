@@ -16,7 +16,7 @@ import tempfile
 import pytest
 import torch.multiprocessing as mp
 
-from fixtures.ranks import RankFailure, run_ranks
+from megatron_testkit.ranks import RankFailure, run_ranks
 
 pytestmark = [pytest.mark.L2]
 
