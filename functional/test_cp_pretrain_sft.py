@@ -216,7 +216,7 @@ TOLERANCES = {
 # Host budget per rank (gloo): measured peak RSS ~0.50 GiB per rank (torch + megatron-core +
 # datasets imports ~0.37 GiB; three tiny models, checkpoint I/O). 768 MiB leaves ~50% headroom for
 # allocator and library-version drift, still catches a leak of a few MB per step over the run,
-# and stays under the hard 1.5 GiB limit. On GPU runners the host side carries the CUDA
+# and stays under the stated hard 1.5 GiB limit. On GPU runners the host side carries the CUDA
 # and TE libraries (typically 2-4 GiB RSS), so that variant gets its own, device-led budget.
 HOST_BUDGET = "768MiB"
 HOST_BUDGET_BYTES = 768 << 20

@@ -39,7 +39,7 @@ HANG_TIMEOUT = float(os.environ.get("KIT_FAULT_HANG_TIMEOUT", "25"))
 # add ``kind: why`` here: the figures then also show the share correct without it, and its
 # per-kind test below becomes a strict xfail, which turns red the day the launcher gets it right.
 # Fixed so far: the kernel OOM killer's SIGKILL in a capped cgroup (named `oom` from the group's
-# counters, issue 13 item 3) and ``os._exit(0)`` before returning (a failed rank, `crash`).
+# OOM counters) and ``os._exit(0)`` before returning (a failed rank, `crash`).
 KNOWN_MISCLASSIFIED: dict[str, str] = {}
 
 INNER = textwrap.dedent(

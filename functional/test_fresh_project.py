@@ -199,7 +199,7 @@ def test_a_fresh_projects_suite_runs_as_it_does_without_the_plugin(env: dict[str
     assert "3 passed" in with_kit.stdout and "3 passed" in without.stdout
     assert "kit leak guard" not in with_kit.stdout
     # Negative control: guarding every test (the old default) kills the pool's workers after the
-    # first test, and the suite breaks as the issue describes.
+    # first test, and the suite breaks (a project's own long-lived workers must be left alone).
     guard_all = _run(*args, "-o", "kit_leak_guard=all", cwd=env["project"])
     assert guard_all.returncode != 0
     assert "kit leak guard: 2 child process(es) still alive" in guard_all.stdout

@@ -1,6 +1,6 @@
 """PyTorch's flight recorder for the rank launcher: ask for a dump before a kill, collect and read it.
 
-Facts this module is built on (PyTorch's ProcessGroupNCCL and flight recorder; issue 11, item 9):
+Facts this module is built on (PyTorch's ProcessGroupNCCL and flight recorder):
 
 - Each rank records its last collectives in a ring buffer whose size is ``TORCH_FR_BUFFER_SIZE``
   (older releases read only ``TORCH_NCCL_TRACE_BUFFER_SIZE``, and their dump pipe is created only

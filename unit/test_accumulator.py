@@ -297,7 +297,8 @@ def _sentinel_pack(docs: int, rows: int) -> torch.Tensor:
 def test_add_microbatch_makes_a_fixed_number_of_torch_calls_whatever_the_pack(padded_and_window):
     # The sync-free path is a fixed sequence of vectorised kernels: its torch calls (kernel launches
     # on a GPU, views and attribute reads aside) grow neither with the documents nor with the rows.
-    # The ceiling is issue 12's budget (55 calls before it); ci/bench_accounting.py measures the cost.
+    # The ceiling is the budget set when the path was vectorised (it took 55 calls before);
+    # ci/bench_accounting.py measures the cost.
     acc = FlopsAccumulator(packed=True, window_size=(3, 1) if padded_and_window else None)
     counts = []
     for docs, rows in ((1, 1), (300, 1), (300, 8)):

@@ -1,6 +1,6 @@
 """megatron_testkit.devices: backend choice, device hiding, memory caps and the GPU gate per rank.
 
-Each decision is checked against its rule restated here (issue 11, findings 1, 5 and 12), not
+Each decision is checked against its rule restated here, not
 against the module's own arithmetic. The GPU variants run the real thing on CUDA (a hidden
 device, a lazily applied cap) and skip with their reason on a CPU machine.
 """
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.L0
 GiB = 1024**3
 
 
-# ---- finding 1: a test not marked gpu never gets NCCL --------------------------------------------
+# ---- a test not marked gpu never gets NCCL --------------------------------------------------------
 @given(world_size=st.integers(1, 16), gpus=st.integers(0, 16))
 def test_auto_gives_a_test_not_marked_gpu_gloo_whatever_the_gpus(world_size, gpus):
     assert devices.choose_backend("auto", world_size, gpus=gpus, gpu_test=False) == "gloo"
@@ -100,7 +100,7 @@ def test_a_hidden_rank_sees_no_cuda_device_on_a_gpu_machine():
     assert out.stdout.split() == ["False", "0"]
 
 
-# ---- finding 5: KIT_DEVICE_MEMORY must not create a CUDA context in gloo ranks --------------------
+# ---- KIT_DEVICE_MEMORY must not create a CUDA context in gloo ranks -------------------------------
 @pytest.mark.parametrize(
     ("budget", "card", "expected"),
     [
@@ -184,7 +184,7 @@ def test_on_cuda_the_queued_cap_applies_at_the_first_touch_and_not_before():
     assert out.stdout.split() == ["lazy", "False", "True"]
 
 
-# ---- finding 5: host budgets of CUDA ranks ---------------------------------------------------------
+# ---- host budgets of CUDA ranks ---------------------------------------------------------------------
 def test_a_cpu_rank_keeps_its_budget_and_no_budget_stays_none():
     assert devices.host_budget(512 * 2**20, cuda=False, environ={}) == 512 * 2**20
     assert devices.host_budget(None, cuda=True, environ={}) is None
@@ -198,7 +198,7 @@ def test_a_cuda_rank_gets_the_allowance_on_top_of_its_test_budget():
         devices.host_budget(GiB, cuda=True, environ={"KIT_CUDA_HOST_ALLOWANCE": "lots"})
 
 
-# ---- finding 12: KIT_REQUIRE_GPUS turns a GPU skip into a failure ----------------------------------
+# ---- KIT_REQUIRE_GPUS turns a GPU skip into a failure -----------------------------------------------
 def test_required_gpus_parses_and_refuses_nonsense():
     assert devices.required_gpus({}) == 0
     assert devices.required_gpus({"KIT_REQUIRE_GPUS": " 2 "}) == 2

@@ -332,7 +332,7 @@ def test_malformed_row_count_equals_the_rows_the_syncing_validation_rejects(raw)
 @pytest.mark.parametrize(
     ("cu", "dtype", "kwargs", "kinds"),
     [
-        # The silently wrong answers of the issue: each is now counted as malformed.
+        # Inputs that once gave silently wrong answers: each is now counted as malformed.
         ([0, 5, 3, 8], torch.int64, {}, {"order": 1}),
         ([5, 10], torch.int64, {}, {"first": 1}),
         ([0, 5, -1, 8], torch.int64, {}, {"order": 1}),
