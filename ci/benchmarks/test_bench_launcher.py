@@ -163,7 +163,11 @@ def test_oom_verdict_run_ranks(benchmark) -> None:
 def test_oom_verdict_torch_spawn(benchmark) -> None:
     benchmark.extra_info["role"] = "baseline"
     exc = benchmark.pedantic(_spawn_failure, args=("oom_rank",), rounds=ROUNDS)
-    assert "can't allocate memory" in str(exc) or "allocate" in str(exc), str(exc)[:500]
+    # spawn reports whichever process it sees fail first: rank 1's allocation failure, or rank 0's
+    # all-reduce failing because its peer is gone (it cannot tell the cause from the consequence).
+    named = "allocate" in str(exc)
+    assert named or getattr(exc, "error_index", None) == 0, str(exc)[:500]
+    benchmark.extra_info["spawn_named_the_oom"] = named
 
 
 @pytest.mark.benchmark(group="launch-crash-verdict")
