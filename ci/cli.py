@@ -1,18 +1,21 @@
 """`python -m ci <command>`: the one command line of the CI tooling, a table of subcommands.
 
 Adding a subcommand is one row of `COMMANDS`: its name, one line of help, a function adding its
-arguments to its parser (imported when that command runs, so `job` stays stdlib-only and runs
-before the kit is installed, and `repro` is imported only when asked for) and the function that
-runs it. Usage errors are one line on stderr and exit code 2, for every command.
+arguments to its parser and the function that runs it, both usually ``_lazy("ci.module.function")``:
+a command's module is imported only when that command runs, so `job` stays stdlib-only and runs
+before the kit is installed, and `repro` is imported only when asked for. Usage errors are one
+line on stderr and exit code 2, for every command.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROG = "python -m ci"
 
@@ -95,48 +98,33 @@ def _chart(args: argparse.Namespace) -> int:
     return 0
 
 
-# ------------------------------------------------------------------- commands with their own module
-def _repro(args: argparse.Namespace) -> int:
-    from ci.repro import main
+# ------------------------------------------------------------------- commands in their own modules
+def _lazy(target: str) -> Callable[..., Any]:
+    """``module.function``, imported when first called, so a command's module loads only when it runs."""
+    module, _, name = target.rpartition(".")
 
-    return main(args.rest)
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args)
 
-
-def _merge_reports(args: argparse.Namespace) -> int:
-    from ci.merge_reports import main
-
-    return main(args.rest)
+    return call
 
 
-def _gpu_check_arguments(parser: argparse.ArgumentParser) -> None:
-    from ci.gpu_check import add_arguments
-
-    add_arguments(parser)
-
-
-def _gpu_check(args: argparse.Namespace) -> int:
-    from ci.gpu_check import run
-
-    return run(args)
-
-
-def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from ci.bench import add_arguments
-
-    add_arguments(parser)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from ci.bench import run
-
-    return run(args)
+def _own_parser(target: str) -> Callable[[argparse.Namespace], int]:
+    """A command whose ``main(argv)`` parses its own arguments: it gets all of them."""
+    main = _lazy(target)
+    return lambda args: main(args.rest)
 
 
 COMMANDS: tuple[Command, ...] = (
     Command(
         "job", "run the CI job NAME, a row of ci/jobs.py (what the workflows call)", _job_arguments, _job
     ),
-    Command("repro", "run a tier, or a CI report's failures, locally the way CI does", None, _repro),
+    Command(
+        "repro",
+        "run a tier, or a CI report's failures, locally the way CI does",
+        None,
+        _own_parser("ci.repro.main"),
+    ),
     Command(
         "chart",
         "memory chart of a kit-report.json (Mermaid, and its PNG beside it)",
@@ -144,17 +132,23 @@ COMMANDS: tuple[Command, ...] = (
         _chart,
     ),
     Command(
-        "merge-reports", "merge per-node kit reports of a torchrun job: OUT DIR...", None, _merge_reports
+        "merge-reports",
+        "merge per-node kit reports of a torchrun job: OUT DIR...",
+        None,
+        _own_parser("ci.merge_reports.main"),
     ),
     Command(
-        "gpu-check", "the single-GPU check (figures and logs in OUTDIR)", _gpu_check_arguments, _gpu_check
+        "gpu-check",
+        "the single-GPU check (figures and logs in OUTDIR)",
+        _lazy("ci.gpu_check.add_arguments"),
+        _lazy("ci.gpu_check.run"),
     ),
     Command(
         "bench",
         "run the benchmarks of ci/benchmarks and compare their ratios",
-        _bench_arguments,
-        _bench,
-        True,
+        _lazy("ci.bench.add_arguments"),
+        _lazy("ci.bench.run"),
+        takes_rest=True,
     ),
 )
 
