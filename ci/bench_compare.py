@@ -18,6 +18,7 @@ from typing import Any
 # How much a ratio may grow before it counts as a regression: shared runners move a ratio of two
 # medians by ~10% run to run, so 25% flags a real slowdown without flagging noise.
 DEFAULT_TOLERANCE = 0.25
+PROG = "python -m ci bench"  # the command that prints the table, named in its error messages
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -121,7 +122,7 @@ def report(run: Path, baseline: Path | None = None, tolerance: float = DEFAULT_T
         current = ratios(load(run))
         previous, old = previous_ratios(current, baseline_runs(baseline, run))
     except (OSError, ValueError, json.JSONDecodeError) as exc:
-        print(f"bench compare: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     print(f"ratios of medians, subject / baseline in the same run (lower is better); run {run}")
     print(

@@ -99,6 +99,29 @@ def test_bench_refuses_a_missing_baseline_before_running_anything(
 
 
 @pytest.mark.L0
+def test_bench_run_prints_a_saved_runs_figures_and_compares_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"
+    _run(store / "1.json", "2026-01-01", {("g", "ours", "subject"): 1.0, ("g", "loop", "baseline"): 4.0})
+    new = _run(
+        store / "2.json", "2026-01-02", {("g", "ours", "subject"): 3.0, ("g", "loop", "baseline"): 4.0}
+    )
+    data = json.loads(new.read_text())
+    data["benchmarks"][0]["extra_info"]["startup_median_s"] = 1.23456
+    new.write_text(json.dumps(data))
+    assert main(["bench", "--run", str(new), "--compare", str(store), "--tolerance", "2.5"]) == 0
+    out = capsys.readouterr().out
+    assert "  ours: startup_median_s=1.235" in out and "same" in out  # 0.75 vs 0.25: within 250%
+    assert main(["bench", "--run", str(new), "--compare", str(store)]) == 1
+    assert "regressed" in capsys.readouterr().out
+    assert main(["bench", "--run", str(new), "-k", "inspect"]) == 2
+    assert "--run compares a saved run" in capsys.readouterr().err
+    assert main(["bench", "--run", str(tmp_path / "nope.json")]) == 2
+    assert capsys.readouterr().err == f"python -m ci bench: error: no saved run at {tmp_path / 'nope.json'}\n"
+
+
+@pytest.mark.L0
 def test_bench_passes_what_it_does_not_know_to_pytest_on_every_benchmark(tmp_path: Path) -> None:
     command = bench.pytest_command(tmp_path / "run.json", ["-k", "inspect", "--benchmark-min-rounds=10"])
     assert command[1:4] == ["-m", "pytest", "ci/benchmarks"]
