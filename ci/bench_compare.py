@@ -1,24 +1,24 @@
-"""Compare a pytest-benchmark run with the previous one, by ratios measured within each run.
+"""Compare a pytest-benchmark run with a baseline run, by ratios measured within each run.
 
 Shared runners are noisy: an absolute time says more about the neighbours than about the code.
 Each benchmark group of ``ci/benchmarks`` holds the kit's code (``extra_info["role"] ==
 "subject"``) and what it is compared with in the same run (``"baseline"``: the syncing loop,
 ``torch.multiprocessing.spawn``, a step without the inspector). The figure compared run against
 run is ``median(subject) / median(baseline)``; lower is better. A ratio that grew by more than
-``--tolerance`` (default 25%) is a regression and the exit code is 1.
-
-    python -m pytest ci/benchmarks --benchmark-only --benchmark-storage=reports/benchmarks --benchmark-autosave
-    python -m ci.bench_compare reports/benchmarks          # newest run against the ones before
-    python -m ci.bench_compare NEW.json OLD.json
+the tolerance (default 25%) is a regression. `python -m ci bench --compare BASELINE` uses this.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+# How much a ratio may grow before it counts as a regression: shared runners move a ratio of two
+# medians by ~10% run to run, so 25% flags a real slowdown without flagging noise.
+DEFAULT_TOLERANCE = 0.25
+PROG = "python -m ci bench"  # the command that prints the table, named in its error messages
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -44,9 +44,9 @@ def ratios(data: dict[str, Any]) -> dict[str, float]:
                 f"benchmark group {group!r} has {len(baselines)} baselines; one is needed "
                 f"(extra_info['role'] = 'baseline')"
             )
-        base = baselines[0] if baselines else None
-        if base is None:
+        if not baselines:
             continue  # a partial run (-k, a failed baseline): nothing to divide by in this group
+        base = baselines[0]
         for subject in roles.get("subject", []):
             key = f"{group}: {_short(subject['name'])} / {_short(base['name'])}"
             out[key] = subject["stats"]["median"] / base["stats"]["median"]
@@ -93,55 +93,64 @@ def previous_ratios(
     return (found, newest) if found else (None, None)
 
 
-def _runs(directory: Path) -> list[Path]:
+def runs(directory: Path) -> list[Path]:
     """Every run under ``directory``, oldest first (by the run's own datetime field)."""
-    runs = []
+    found = []
     for path in directory.rglob("*.json"):
         try:
-            runs.append((load(path).get("datetime", ""), path))
+            found.append((load(path).get("datetime", ""), path))
         except (ValueError, json.JSONDecodeError):
             continue
-    return [path for _when, path in sorted(runs)]
+    return [path for _when, path in sorted(found)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print the ratio table; exit 1 when a ratio regressed, 2 on bad input."""
-    parser = argparse.ArgumentParser(prog="python -m ci.bench_compare", description=__doc__.splitlines()[0])
-    parser.add_argument("current", type=Path, help="a run's JSON, or a storage directory of runs")
-    parser.add_argument("previous", type=Path, nargs="?", help="the run to compare with")
-    parser.add_argument("--tolerance", type=float, default=0.25, help="relative growth of a ratio allowed")
-    options = parser.parse_args(argv)
+def baseline_runs(baseline: Path | None, run: Path) -> list[Path]:
+    """The runs to compare `run` with, oldest first: a JSON file, or every run in a directory but `run`."""
+    if baseline is None:
+        return []
+    if not baseline.is_dir():
+        return [baseline]
+    older = [path for path in runs(baseline) if path.resolve() != run.resolve()]
+    if not older:
+        raise ValueError(f"{baseline}: no pytest-benchmark JSON files under it besides {run.name}")
+    return older
+
+
+def report(run: Path, baseline: Path | None = None, tolerance: float = DEFAULT_TOLERANCE) -> int:
+    """Print `run`'s ratio table against `baseline`; 1 when a ratio regressed, 2 on bad input."""
     try:
-        if options.current.is_dir():
-            runs = _runs(options.current)
-            if not runs:
-                raise ValueError(f"{options.current}: no pytest-benchmark JSON files under it")
-            new, older = runs[-1], runs[:-1]
-        else:
-            new, older = options.current, [options.previous] if options.previous else []
-        current = ratios(load(new))
-        previous, old = previous_ratios(current, older)
+        current = ratios(load(run))
+        previous, old = previous_ratios(current, baseline_runs(baseline, run))
     except (OSError, ValueError, json.JSONDecodeError) as exc:
-        print(f"bench_compare: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    print(f"ratios of medians, subject / baseline in the same run (lower is better); run {new}")
+    print(f"ratios of medians, subject / baseline in the same run (lower is better); run {run}")
     print(
-        f"previous run: {old} (and older ones for ratios it lacks)"
-        if old
-        else "no previous run to compare with"
+        f"baseline: {old} (and older runs for ratios it lacks)" if old else "no baseline run to compare with"
     )
     width = max((len(k) for k in current), default=10)
-    print(f"{'ratio':<{width}}  {'previous':>9}  {'current':>9}  verdict")
-    rows = compare(current, previous, options.tolerance)
+    print(f"{'ratio':<{width}}  {'baseline':>9}  {'current':>9}  verdict")
+    rows = compare(current, previous, tolerance)
     for key, before, now, verdict in rows:
         shown = f"{before:9.3f}" if before is not None else f"{'-':>9}"
         print(f"{key:<{width}}  {shown}  {now:9.3f}  {verdict}")
     regressed = [row for row in rows if row[3] == "regressed"]
     if regressed:
-        print(f"{len(regressed)} ratio(s) grew by more than {options.tolerance:.0%}")
+        print(f"{len(regressed)} ratio(s) grew by more than {tolerance:.0%}")
         return 1
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def figures(data: dict[str, Any]) -> list[str]:
+    """One line per benchmark that recorded figures in ``extra_info`` (beyond its role): what a person reads."""
+    lines = []
+    for bench in data["benchmarks"]:
+        extra = {k: v for k, v in (bench.get("extra_info") or {}).items() if k != "role"}
+        if extra:
+            shown = ", ".join(f"{k}={_figure(v)}" for k, v in extra.items())
+            lines.append(f"{_short(bench['name'])}: {shown}")
+    return lines
+
+
+def _figure(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

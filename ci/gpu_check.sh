@@ -21,4 +21,4 @@ if [ -n "${KIT_WHEELS:-}" ]; then
 fi
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" -m ci.gpu_check "$@"
+exec "$PY" -m ci gpu-check "$@"

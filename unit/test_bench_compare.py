@@ -1,15 +1,19 @@
-"""`ci.bench_compare`: run-against-run comparison by ratios measured within each run."""
+"""`ci.bench_compare` (what `python -m ci bench --compare` prints): run against run, by ratios measured within each run."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from ci import bench_compare
+from ci import bench, bench_compare
+from ci.cli import main
 
-pytestmark = pytest.mark.L0
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(path: Path, when: str, medians: dict[tuple[str, str, str], float]) -> Path:
@@ -22,6 +26,7 @@ def _run(path: Path, when: str, medians: dict[tuple[str, str, str], float]) -> P
     return path
 
 
+@pytest.mark.L0
 def test_ratios_are_subject_over_baseline_within_a_group(tmp_path: Path) -> None:
     run = _run(
         tmp_path / "a.json",
@@ -36,6 +41,7 @@ def test_ratios_are_subject_over_baseline_within_a_group(tmp_path: Path) -> None
     assert bench_compare.ratios(bench_compare.load(run)) == {"g: ours / loop": 0.25}
 
 
+@pytest.mark.L0
 def test_a_machine_twice_as_slow_is_no_regression_but_a_relative_slowdown_is(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -43,20 +49,108 @@ def test_a_machine_twice_as_slow_is_no_regression_but_a_relative_slowdown_is(
     _run(store / "1.json", "2026-01-01", {("g", "ours", "subject"): 1.0, ("g", "loop", "baseline"): 4.0})
     # Everything twice as slow (a busier machine): the ratio is the same.
     _run(store / "2.json", "2026-01-02", {("g", "ours", "subject"): 2.0, ("g", "loop", "baseline"): 8.0})
-    assert bench_compare.main([str(store)]) == 0
+    assert bench_compare.report(store / "2.json", store) == 0
     assert "same" in capsys.readouterr().out
     # Ours 50% slower against the same loop: regressed.
     _run(store / "3.json", "2026-01-03", {("g", "ours", "subject"): 3.0, ("g", "loop", "baseline"): 8.0})
-    assert bench_compare.main([str(store)]) == 1
+    # Against the directory: each ratio from the newest other run that measured it (run 2's 0.25).
+    assert bench_compare.report(store / "3.json", store) == 1
     out = capsys.readouterr().out
     assert "regressed" in out and "0.250" in out and "0.375" in out
 
 
+@pytest.mark.L0
 def test_two_baselines_in_a_group_and_foreign_json_are_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bad = _run(tmp_path / "b.json", "x", {("g", "a", "baseline"): 1.0, ("g", "b", "baseline"): 2.0})
-    assert bench_compare.main([str(bad)]) == 2
+    assert bench_compare.report(bad) == 2
     assert "2 baselines" in capsys.readouterr().err
     (tmp_path / "c.json").write_text("{}")
-    assert bench_compare.main([str(tmp_path / "c.json")]) == 2
+    assert bench_compare.report(tmp_path / "c.json") == 2
+
+
+@pytest.mark.L0
+def test_a_directory_with_only_the_run_itself_is_no_baseline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    only = _run(
+        tmp_path / "store" / "1.json",
+        "2026-01-01",
+        {("g", "ours", "subject"): 1.0, ("g", "loop", "baseline"): 4.0},
+    )
+    assert bench_compare.report(only, only.parent) == 2
+    assert "no pytest-benchmark JSON files under it besides 1.json" in capsys.readouterr().err
+    # Without a baseline the run's own ratios are printed, every one of them new.
+    assert bench_compare.report(only) == 0
+    out = capsys.readouterr().out
+    assert "no baseline run to compare with" in out and "g: ours / loop" in out and "0.250  new" in out
+
+
+@pytest.mark.L0
+def test_bench_refuses_a_missing_baseline_before_running_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = tmp_path / "run.json"
+    assert main(["bench", "--compare", str(tmp_path / "nope.json"), "--json", str(saved)]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"python -m ci bench: error: no baseline at {tmp_path / 'nope.json'}\n" and out == ""
+    assert not saved.exists()
+
+
+@pytest.mark.L0
+def test_bench_run_prints_a_saved_runs_figures_and_compares_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"
+    _run(store / "1.json", "2026-01-01", {("g", "ours", "subject"): 1.0, ("g", "loop", "baseline"): 4.0})
+    new = _run(
+        store / "2.json", "2026-01-02", {("g", "ours", "subject"): 3.0, ("g", "loop", "baseline"): 4.0}
+    )
+    data = json.loads(new.read_text())
+    data["benchmarks"][0]["extra_info"]["startup_median_s"] = 1.23456
+    new.write_text(json.dumps(data))
+    assert main(["bench", "--run", str(new), "--compare", str(store), "--tolerance", "2.5"]) == 0
+    out = capsys.readouterr().out
+    assert "  ours: startup_median_s=1.235" in out and "same" in out  # 0.75 vs 0.25: within 250%
+    assert main(["bench", "--run", str(new), "--compare", str(store)]) == 1
+    assert "regressed" in capsys.readouterr().out
+    assert main(["bench", "--run", str(new), "-k", "inspect"]) == 2
+    assert "--run compares a saved run" in capsys.readouterr().err
+    assert main(["bench", "--run", str(tmp_path / "nope.json")]) == 2
+    assert capsys.readouterr().err == f"python -m ci bench: error: no saved run at {tmp_path / 'nope.json'}\n"
+
+
+@pytest.mark.L0
+def test_bench_passes_what_it_does_not_know_to_pytest_on_every_benchmark(tmp_path: Path) -> None:
+    command = bench.pytest_command(tmp_path / "run.json", ["-k", "inspect", "--benchmark-min-rounds=10"])
+    assert command[1:4] == ["-m", "pytest", "ci/benchmarks"]
+    assert f"--benchmark-json={tmp_path / 'run.json'}" in command
+    assert command[-3:] == ["-k", "inspect", "--benchmark-min-rounds=10"]
+
+
+@pytest.mark.L1
+def test_python_m_ci_bench_runs_saves_prints_figures_and_fails_on_a_regression(tmp_path: Path) -> None:
+    """The launcher's no-op pair, one round each, against a baseline whose ratio no run can match."""
+    group = "launch-noop-2ranks"
+    baseline = _run(
+        tmp_path / "baseline.json",
+        "2026-01-01",
+        {(group, "test_noop_run_ranks", "subject"): 1e-6, (group, "test_noop_torch_spawn", "baseline"): 1.0},
+    )
+    saved = tmp_path / "run.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "ci", "bench", "--compare", str(baseline), "--json", str(saved), "-k", "noop"],
+        cwd=ROOT,
+        env={**os.environ, "KIT_BENCH_LAUNCH_ROUNDS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    run = bench_compare.load(saved)
+    assert sorted(b["name"] for b in run["benchmarks"]) == ["test_noop_run_ranks", "test_noop_torch_spawn"]
+    key = f"{group}: noop_run_ranks / noop_torch_spawn"
+    assert key in bench_compare.ratios(run)
+    assert f"{key}      0.000" in result.stdout and "regressed" in result.stdout
+    assert "noop_run_ranks: startup_median_s=" in result.stdout  # the figures a person reads

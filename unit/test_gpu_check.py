@@ -1,4 +1,4 @@
-"""ci/gpu_check: its arguments, the commands it would run on the GPU, and its dry run on this CPU.
+"""`python -m ci gpu-check`: its arguments, the commands it would run on the GPU, its dry run on this CPU.
 
 The GPU steps themselves need a GPU; here the dry run runs their CPU side for real (imports, a
 real flight-recorder dump of a gloo desync parsed and diagnosed, the accounting calls, the
@@ -15,15 +15,18 @@ from pathlib import Path
 import pytest
 
 from ci import gpu_check
+from ci.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.L0
 def test_unknown_steps_and_missing_outdir_are_refused_with_exit_code_2(tmp_path, capsys):
-    assert gpu_check.main([str(tmp_path), "--only", "memory,warp"]) == 2
-    assert "unknown step(s) ['warp']" in capsys.readouterr().err
-    assert gpu_check.main([]) == 2
+    assert main(["gpu-check", str(tmp_path), "--only", "memory,warp"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown step(s) ['warp']" in err and err.count("\n") == 1
+    assert main(["gpu-check"]) == 2
+    assert "OUTDIR" in capsys.readouterr().err
 
 
 @pytest.mark.L0
@@ -50,7 +53,7 @@ def test_a_step_out_of_time_is_skipped_and_the_check_fails(tmp_path):
 def test_the_dry_run_passes_and_writes_one_summary_line_per_step(tmp_path):
     steps = ["environment", "memory", "hang", "sync", "bench"]
     run = subprocess.run(
-        [sys.executable, "-m", "ci.gpu_check", str(tmp_path), "--dry-run", "--only", ",".join(steps)],
+        [sys.executable, "-m", "ci", "gpu-check", str(tmp_path), "--dry-run", "--only", ",".join(steps)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,13 +1,19 @@
 """What `TensorInspector` costs per training step: no inspector, an off-step, an inspection step.
 
 A world of one over gloo, the slim megatron-core GPT of the tensor-inspect tests (2 layers, hidden
-64, sequence 128, micro batch 1) trained through the shared harness. ``ci/bench_compare.py``
-compares each inspector step with the plain step within the group, run against run.
+64, sequence 128, micro batch 1) trained through the shared harness. `python -m ci bench` prints
+each inspector step's ratio to the plain step (its wall-time overhead is the ratio minus one) and
+compares it run against run. Each step also records its median process CPU time (steadier on a
+shared machine: other processes' load does not count) and, once the plain step has run, its CPU
+overhead, in ``extra_info``; `test_inspector_off_step_call` times the inspector's own work on an
+off-step (``begin_step`` + ``end_step``, no training) directly.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-# The one import of the inspector (it is becoming a package: a one-line change at merge).
-from accounting.inspect import TensorInspector
+from accounting.inspector import TensorInspector
 
 pytestmark = [pytest.mark.L2, pytest.mark.benchmark]
 
@@ -48,7 +53,13 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             inspector = TensorInspector(tr.model, every=EVERY, jsonl_path=Path(tmp) / "stats.jsonl", rank=0)
             for _ in range(3):  # warm-up
                 tr.train_step(batch())
-            yield {"trainer": tr, "inspector": inspector, "batch": batch, "jsonl": Path(tmp) / "stats.jsonl"}
+            yield {
+                "trainer": tr,
+                "inspector": inspector,
+                "batch": batch,
+                "jsonl": Path(tmp) / "stats.jsonl",
+                "cpu_ms": {},  # each kind of step's median CPU time, filled in as the benchmarks run
+            }
             inspector.close()
             tr.close()
             destroy_model_parallel()
@@ -67,17 +78,36 @@ def _steps(trainer: dict[str, Any], step: int | None) -> Any:
         return tr.train_step(data)
 
 
+def _measure(benchmark: Any, trainer: dict[str, Any], kind: str, step: int | None) -> None:
+    """15 rounds of one kind of step (after one warm-up), their median CPU time recorded beside the wall time."""
+    cpu: list[float] = []
+
+    def timed() -> Any:
+        start = time.process_time()
+        result = _steps(trainer, step)
+        cpu.append(time.process_time() - start)
+        return result
+
+    benchmark.pedantic(timed, rounds=15, warmup_rounds=1)
+    median_ms = statistics.median(cpu[1:]) * 1e3  # the first call is the warm-up round
+    trainer["cpu_ms"][kind] = median_ms
+    benchmark.extra_info["median_cpu_ms"] = median_ms
+    plain = trainer["cpu_ms"].get("plain")
+    if plain and kind != "plain":
+        benchmark.extra_info["cpu_overhead"] = median_ms / plain - 1
+
+
 @pytest.mark.benchmark(group="inspect-step")
 def test_step_without_inspector(benchmark, trainer: dict[str, Any]) -> None:
     benchmark.extra_info["role"] = "baseline"
-    benchmark.pedantic(_steps, args=(trainer, None), rounds=15, warmup_rounds=1)
+    _measure(benchmark, trainer, "plain", None)
 
 
 @pytest.mark.benchmark(group="inspect-step")
 def test_step_inspector_off_step(benchmark, trainer: dict[str, Any]) -> None:
     benchmark.extra_info["role"] = "subject"
     before = trainer["jsonl"].stat().st_size if trainer["jsonl"].exists() else 0
-    benchmark.pedantic(_steps, args=(trainer, EVERY + 1), rounds=15, warmup_rounds=1)
+    _measure(benchmark, trainer, "off_step", EVERY + 1)
     after = trainer["jsonl"].stat().st_size if trainer["jsonl"].exists() else 0
     assert after == before, "an off-step wrote statistics"
 
@@ -86,5 +116,20 @@ def test_step_inspector_off_step(benchmark, trainer: dict[str, Any]) -> None:
 def test_step_inspector_inspection_step(benchmark, trainer: dict[str, Any]) -> None:
     benchmark.extra_info["role"] = "subject"
     before = trainer["jsonl"].stat().st_size if trainer["jsonl"].exists() else 0
-    benchmark.pedantic(_steps, args=(trainer, EVERY), rounds=15, warmup_rounds=1)
+    _measure(benchmark, trainer, "inspection_step", EVERY)
     assert trainer["jsonl"].stat().st_size > before, "an inspection step wrote no statistics"
+
+
+@pytest.mark.benchmark(group="inspect-call")
+def test_inspector_off_step_call(benchmark, trainer: dict[str, Any]) -> None:
+    """One off-step ``begin_step`` + ``end_step`` pair, no training: the inspector's own cost per step."""
+    inspector = trainer["inspector"]
+    before = trainer["jsonl"].stat().st_size if trainer["jsonl"].exists() else 0
+
+    def off_step_call() -> None:
+        inspector.begin_step(EVERY + 1)  # never an inspection step (every=EVERY)
+        inspector.end_step()
+
+    benchmark(off_step_call)
+    after = trainer["jsonl"].stat().st_size if trainer["jsonl"].exists() else 0
+    assert after == before, "an off-step call wrote statistics"

@@ -1,0 +1,83 @@
+"""Step ``pytest``: ``pytest -m "L0 and gpu"`` with ``KIT_REQUIRE_GPUS=1``; report and junit XML in OUTDIR/pytest/.
+
+A GPU test that skips for want of a GPU fails here. The dry run collects the selection only.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ci.gpu_check.summary import StepFailed, expect
+
+if TYPE_CHECKING:
+    from ci.gpu_check.check import Check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pytest_command(out: Path) -> tuple[list[str], dict[str, str]]:
+    """The pytest command and environment of the step, its report under `out`/pytest."""
+    report = out / "pytest"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "L0 and gpu",
+        "-p",
+        "no:randomly",
+        "-q",
+        f"--kit-report={report}",
+        f"--junitxml={report}/junit.xml",
+    ]
+    env = {"KIT_REQUIRE_GPUS": "1", "CI": "true", "HYPOTHESIS_PROFILE": "ci", "PYTHONUNBUFFERED": "1"}
+    return cmd, env
+
+
+def step(check: Check) -> dict[str, Any]:
+    """Run the selection (collect it in a dry run); it must pass and run at least one test."""
+    cmd, env = pytest_command(check.out)
+    if check.dry:
+        cmd = [*cmd[:3], "--collect-only", *cmd[3:7], "-q"]
+    log = check.out / "pytest.log"
+    timeout = max(10.0, check.remaining() - 5)
+    with log.open("w") as f:
+        try:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            raise StepFailed(f"pytest did not finish within {timeout:.0f} s (log: {log})") from None
+    tail = log.read_text().strip().splitlines()[-1:] or [""]
+    figures: dict[str, Any] = {
+        "command": shlex.join(cmd),
+        "env": env,
+        "returncode": proc.returncode,
+        "last_line": tail[0],
+    }
+    if check.dry:
+        expect(proc.returncode == 0, f"collecting 'L0 and gpu' failed: {tail[0]} (log: {log})")
+        return figures
+    figures.update(junit_counts(check.out / "pytest" / "junit.xml"))
+    expect(proc.returncode == 0, f"pytest -m 'L0 and gpu' exited {proc.returncode}: {tail[0]}")
+    expect(figures.get("tests", 0) > 0, "no 'L0 and gpu' test ran")
+    return figures
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    """tests/failures/errors/skipped of a junit XML file ({} when it is missing or unreadable)."""
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return {}
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return {}
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
