@@ -501,3 +501,30 @@ def test_a_fresh_project_trains_a_tp2_megatron_gpt_on_cpu_through_the_kit(
     assert "host 1.00 GiB" in table_row and table_row.rstrip().endswith("passed")
     assert (reports / "kit-report.md").is_file()
     assert (Path(trained["log_dir"]) / "rank1.log").is_file()
+
+
+def _python_block(path: Path, after: str) -> str:
+    """The first ```python block of `path` that follows the line containing `after`."""
+    text = path.read_text()
+    start = text.index("```python\n", text.index(after)) + len("```python\n")
+    return text[start : text.index("\n```", start)] + "\n"
+
+
+def test_the_readmes_example_runs_in_a_fresh_project(megatron_env: dict[str, Any], tmp_path: Path) -> None:
+    # The README's example as a test file, with the model and data its companion page writes out.
+    project = tmp_path / "readme-project"
+    _write(
+        project,
+        {
+            "pyproject.toml": MEGATRON_PROJECT["pyproject.toml"],
+            "tests/test_tp2.py": _python_block(REPO / "README.md", "## Use it in your own tests"),
+            "tests/my_project.py": _python_block(
+                REPO / "docs" / "megatron-on-cpu.md", "`tests/my_project.py`:"
+            ),
+        },
+    )
+    python = megatron_env["python"]
+    result = _run_fresh(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", cwd=project, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "1 passed" in result.stdout
+    assert "test_tp2_gpt_on_cpu" in result.stdout  # its row in the kit's table
