@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, settings
 
 pytest_plugins = ["megatron_testkit.plugin"]
 
-# ---- this repo's own fixtures from fixtures/ modules (one import line each; keep this section) ----
-# They live here, not in the shipped plugin: `fixtures` is this repo's test support and not installed.
-from fixtures.megatron import use_cpu_shim  # noqa: E402, F401  (megatron-core on CPU, scoped to the test)
+# ---- fixtures exposed to this repo's tests (one import line each; keep this section) ----
+# The kit's CPU layer for megatron-core, as a fixture (a user's conftest.py can do the same).
+from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: E402, F401  (scoped to the test)
 
 # ---- end of exposed fixtures ----
 

@@ -5,13 +5,19 @@ dependencies (pytest and psutil, linked from this environment: no torch, no extr
 In it a fresh project with the usual `tests/fixtures/` package, a `ProcessPoolExecutor` kept across
 tests, and a package named `fixtures` installed in site-packages (a local stand-in for PyPI's
 `fixtures`, the testtools one: same import name, which is what collided) runs its suite exactly as it
-does with the plugin disabled. With the test extra (this environment), a fresh project calls
-`run_ranks` as the README shows, and a rank function defined in a `python script.py` works as
-with `torch.multiprocessing.spawn`.
+does with the plugin disabled. A second throwaway environment adds torch and megatron-core (linked
+from this one) to the wheel: there a fresh project does what a user does, a TP=2 megatron-core
+GPT trained for one step on CPU through the kit's CPU layer, under a memory budget, with the kit
+report. Every process of a throwaway environment gets a scrubbed environment (no PYTHONPATH, no
+user site), so a checkout on this environment's path cannot leak in. With the test extra (this
+environment), a fresh project calls `run_ranks` as the README shows, and a rank function defined
+in a `python script.py` works as with `torch.multiprocessing.spawn`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +34,13 @@ pytestmark = pytest.mark.L0
 REPO = Path(__file__).resolve().parent.parent
 # The kit's hard dependencies (pyproject `dependencies`); their own come from their metadata.
 HARD_DEPS = ("pytest", "psutil")
+# What a user installs beside the kit to test megatron-core models (the README's install section).
+# triton: megatron-core 0.17+ imports it in megatron.core.models.gpt without declaring it.
+MEGATRON_DEPS = ("torch", "megatron-core")
+UNDECLARED_MEGATRON_DEPS = ("triton",)
+# Of this environment's variables, a throwaway one keeps only what describes the machine: the
+# runner's memory limit (CI rows and `python -m ci repro` set these for every launch) and basics.
+FRESH_ENV_KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "TERM", "KIT_HOST_MEMORY", "KIT_RANK_CGROUP")
 PYPI_FIXTURES_STANDIN = (
     '"""Stand-in for PyPI\'s `fixtures` (testtools): same top-level name."""\n\n\nclass Fixture:\n    pass\n'
 )
@@ -76,8 +89,28 @@ def _write(root: Path, files: dict[str, str]) -> None:
         path.write_text(text)
 
 
-def _run(*args: str | Path, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def _run(
+    *args: str | Path, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def _fresh_env() -> dict[str, str]:
+    """The environment of a process in a throwaway environment: nothing that points at this one.
+
+    PYTHONPATH (a checkout on it shadows the wheel's packages and the project's own), PYTHONHOME,
+    VIRTUAL_ENV, PYTEST_ADDOPTS and the like are dropped; the user site is off.
+    """
+    env = {name: os.environ[name] for name in FRESH_ENV_KEEP if name in os.environ}
+    env["PYTHONNOUSERSITE"] = "1"
+    return env
+
+
+def _run_fresh(*args: str | Path, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`_run` for a throwaway environment's interpreter, with `_fresh_env()`."""
+    return _run(*args, cwd=cwd, timeout=timeout, env=_fresh_env())
 
 
 def _build_wheel(out: Path) -> Path:
@@ -117,7 +150,14 @@ def _closure(names: tuple[str, ...]) -> set[str]:
         if name.lower() in seen:
             continue
         seen.add(name.lower())
-        for line in metadata.requires(name) or []:
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            # Declared but not installed here (megatron-core 0.17+ on Python 3.11 is installed
+            # with --no-deps): what runs here runs without it, and its import fails loudly if not.
+            seen.discard(name.lower())
+            continue
+        for line in requires:
             req = Requirement(line)
             if req.marker is None or req.marker.evaluate({"extra": ""}):
                 todo.append(req.name)
@@ -138,27 +178,41 @@ def _link_distribution(name: str, site: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A fresh environment: the kit's wheel, its hard dependencies, PyPI-`fixtures` stand-in."""
-    root = tmp_path_factory.mktemp("fresh")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kit's wheel, built once for the module's throwaway environments."""
+    return _build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def _fresh_venv(
+    root: Path, wheel: Path, distributions: set[str], site_files: dict[str, str] | None = None
+) -> tuple[Path, Path, list[str]]:
+    """A venv without pip holding `distributions` (linked from here), then the kit's wheel.
+
+    `site_files` are written into its site-packages before the wheel goes in (what a project had
+    installed already). Returns its interpreter, its site-packages and the wheel's file names.
+    """
     venv = root / "venv"
     result = _run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=root)
     assert result.returncode == 0, result.stderr
     python = venv / "bin" / "python"
-    site = Path(
-        _run(
-            python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=root
-        ).stdout.strip()
-    )
-    for name in sorted(_closure(HARD_DEPS)):
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(_run_fresh(python, "-c", purelib, cwd=root).stdout.strip())
+    for name in sorted(distributions):
         _link_distribution(name, site)
-    standin = site / "fixtures" / "__init__.py"
-    standin.parent.mkdir()
-    standin.write_text(PYPI_FIXTURES_STANDIN)
-    wheel = _build_wheel(root / "build")
+    _write(site, site_files or {})
     with zipfile.ZipFile(wheel) as zf:  # a pure wheel's install: its files into site-packages
         names = zf.namelist()
         zf.extractall(site)
+    return python, site, names
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> dict[str, Any]:
+    """A fresh environment: the kit's wheel, its hard dependencies, PyPI-`fixtures` stand-in."""
+    root = tmp_path_factory.mktemp("fresh")
+    standin_files = {"fixtures/__init__.py": PYPI_FIXTURES_STANDIN}
+    python, site, names = _fresh_venv(root, wheel, _closure(HARD_DEPS), site_files=standin_files)
+    standin = site / "fixtures" / "__init__.py"
     project = root / "project"
     _write(project, PROJECT)
     return {"python": python, "site": site, "wheel_names": names, "project": project, "standin": standin}
@@ -181,26 +235,42 @@ def test_the_wheel_ships_the_library_and_the_kit_and_no_fixtures_package(env: di
 
 
 def test_the_environment_has_no_extras_and_the_plugin_loads_from_its_entry_point(env: dict[str, Any]) -> None:
-    no_torch = _run(env["python"], "-c", "import torch", cwd=env["project"])
+    no_torch = _run_fresh(env["python"], "-c", "import torch", cwd=env["project"])
     assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr
-    markers = _run(env["python"], "-m", "pytest", "--markers", "-p", "no:cacheprovider", cwd=env["project"])
+    markers = _run_fresh(
+        env["python"], "-m", "pytest", "--markers", "-p", "no:cacheprovider", cwd=env["project"]
+    )
     assert markers.returncode == 0, markers.stdout + markers.stderr
     assert "@pytest.mark.memory_budget(host=None, device=None)" in markers.stdout
-    standin = _run(env["python"], "-c", "import fixtures; print(fixtures.__file__)", cwd=env["project"])
+    standin = _run_fresh(env["python"], "-c", "import fixtures; print(fixtures.__file__)", cwd=env["project"])
     assert standin.stdout.strip() == str(env["standin"])
+
+
+def test_a_throwaway_environment_sees_nothing_of_this_ones_path(
+    env: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # This checkout on PYTHONPATH, as when the suite runs from a worktree over a shared venv.
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    where = "import fixtures, megatron_testkit; print(fixtures.__file__); print(megatron_testkit.__file__)"
+    fixtures_file, kit_file = _run_fresh(env["python"], "-c", where, cwd=env["project"]).stdout.split()
+    assert fixtures_file == str(env["standin"])
+    assert Path(kit_file).parent == env["site"] / "megatron_testkit"  # the wheel's, not the checkout's
+    # Negative control: inheriting this environment, the checkout shadows both.
+    leaked = _run(env["python"], "-c", where, cwd=env["project"]).stdout.split()
+    assert leaked == [str(REPO / "fixtures" / "__init__.py"), str(REPO / "megatron_testkit" / "__init__.py")]
 
 
 def test_a_fresh_projects_suite_runs_as_it_does_without_the_plugin(env: dict[str, Any]) -> None:
     args = (env["python"], "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly")
-    with_kit = _run(*args, cwd=env["project"])
-    without = _run(*args, "-p", "no:megatron_testkit.plugin", cwd=env["project"])
+    with_kit = _run_fresh(*args, cwd=env["project"])
+    without = _run_fresh(*args, "-p", "no:megatron_testkit.plugin", cwd=env["project"])
     assert without.returncode == 0, without.stdout + without.stderr
     assert with_kit.returncode == 0, with_kit.stdout + with_kit.stderr
     assert "3 passed" in with_kit.stdout and "3 passed" in without.stdout
     assert "kit leak guard" not in with_kit.stdout
     # Negative control: guarding every test (the old default) kills the pool's workers after the
     # first test, and the suite breaks (a project's own long-lived workers must be left alone).
-    guard_all = _run(*args, "-o", "kit_leak_guard=all", cwd=env["project"])
+    guard_all = _run_fresh(*args, "-o", "kit_leak_guard=all", cwd=env["project"])
     assert guard_all.returncode != 0
     assert "kit leak guard: 2 child process(es) still alive" in guard_all.stdout
 
@@ -288,8 +358,175 @@ KIT_MODULES = (
 
 
 @pytest.mark.parametrize("name", KIT_MODULES)
-def test_in_this_repo_fixtures_names_are_the_kit_modules_themselves(name: str) -> None:
-    # One module object under both names: a monkeypatch through either is seen by both.
+def test_in_this_repo_each_kit_module_has_one_name(name: str) -> None:
+    # No `fixtures.<module>` alias of a kit module: a monkeypatch through a second name would
+    # silently miss the module the code uses. The kit's own name imports.
     import importlib
 
-    assert importlib.import_module(f"fixtures.{name}") is importlib.import_module(f"megatron_testkit.{name}")
+    assert importlib.import_module(f"megatron_testkit.{name}").__name__ == f"megatron_testkit.{name}"
+    assert not (REPO / "fixtures" / f"{name}.py").exists()
+    with pytest.raises(ModuleNotFoundError, match=f"fixtures.{name}"):
+        importlib.import_module(f"fixtures.{name}")
+
+
+MEGATRON_PROJECT = {
+    "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n',
+    # A user's own test, as docs/megatron-on-cpu.md shows it: the kit's CPU layer inside the rank
+    # function, run_ranks, a memory budget, and accounting's FLOPs counter.
+    "tests/test_gpt_tp2.py": textwrap.dedent(
+        """
+        import pytest
+
+        from megatron_testkit import RankFailure, run_ranks
+        from megatron_testkit.megatron_compat import gpt_layer_spec
+        from megatron_testkit.megatron_cpu import cpu_shim, destroy_model_parallel, init_model_parallel
+
+        LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 2, 32, 4, 64, 16, 2
+
+
+        def one_step(rank, world_size):
+            import torch
+            from megatron.core.models.gpt import GPTModel
+            from megatron.core.transformer.transformer_config import TransformerConfig
+
+            from accounting import FlopsAccumulator, ModelShape
+
+            init_model_parallel(tensor_model_parallel_size=2)
+            config = TransformerConfig(
+                num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                normalization="RMSNorm", tensor_model_parallel_size=2,
+                hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+            )
+            model = GPTModel(
+                config=config, transformer_layer_spec=gpt_layer_spec(),
+                vocab_size=VOCAB, max_sequence_length=SEQ,
+            )
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            flops = FlopsAccumulator(packed=False, dp_size=1)
+            batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+            inputs, labels = batch[:, :-1], batch[:, 1:]  # the same batch on both TP ranks
+            positions = torch.arange(SEQ).expand(BATCH, SEQ)
+
+            before = model(inputs, positions, None, labels=labels).mean()
+            before.backward()
+            optimizer.step()
+            flops.add_microbatch(micro_batch_size=BATCH, seq_len=SEQ)
+            flops.step(ModelShape.from_megatron(config, vocab_size=VOCAB))
+            with torch.no_grad():
+                after = model(inputs, positions, None, labels=labels).mean()
+            destroy_model_parallel()
+            return before.item(), after.item(), flops.total_flops
+
+
+        def train_on_cpu(rank, world_size):
+            with cpu_shim():  # megatron-core's CUDA calls land on the CPU; a no-op where CUDA exists
+                return one_step(rank, world_size)
+
+
+        # Measured peak ~0.47 GiB per rank (torch + megatron-core imports, a tiny model): 2x room.
+        @pytest.mark.memory_budget(host="1GiB")
+        def test_tp2_gpt_trains_one_step_on_cpu():
+            (before0, after0, flops0), (before1, after1, flops1) = run_ranks(train_on_cpu, 2, timeout=300)
+            assert before0 == before1 and after0 == after1  # the TP ranks compute one loss
+            assert after0 < before0
+            # By hand, per token and layer: QKV 6h^2, attention output 2h^2, MLP (4h) 16h^2, causal
+            # attention 2sh (s^2/2 pairs per sequence, QK^T and AV); logits 2hV; training 3x forward.
+            per_token = LAYERS * (24 * HIDDEN**2 + 2 * SEQ * HIDDEN) + 2 * HIDDEN * VOCAB
+            assert flops0 == flops1 == 3 * BATCH * SEQ * per_token
+
+
+        @pytest.mark.memory_budget(host="1GiB")
+        def test_without_the_cpu_layer_megatron_core_needs_cuda():
+            # A CPU build of torch says this; a CUDA build with no GPU visible, "No CUDA GPUs ...".
+            needs_cuda = "Torch not compiled with CUDA enabled|No CUDA GPUs are available"
+            with pytest.raises(RankFailure, match=needs_cuda) as failure:
+                run_ranks(one_step, 2, timeout=300)
+            assert failure.value.kind == "error"
+            with open(f"{failure.value.log_dir}/rank0.log") as log:
+                assert "model_parallel_cuda_manual_seed" in log.read()
+        """
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_env(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> dict[str, Any]:
+    """A fresh environment with the kit's wheel, torch and megatron-core (as a user installs them)."""
+    root = tmp_path_factory.mktemp("fresh-megatron")
+    undeclared = {name for name in UNDECLARED_MEGATRON_DEPS if _installed(name)}
+    python, site, _ = _fresh_venv(root, wheel, _closure(HARD_DEPS + MEGATRON_DEPS) | undeclared)
+    project = root / "project"
+    _write(project, MEGATRON_PROJECT)
+    return {"python": python, "site": site, "project": project}
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def test_a_fresh_project_trains_a_tp2_megatron_gpt_on_cpu_through_the_kit(
+    megatron_env: dict[str, Any],
+) -> None:
+    python, project, site = megatron_env["python"], megatron_env["project"], megatron_env["site"]
+    where = "import megatron_testkit, accounting; print(megatron_testkit.__file__, accounting.__file__)"
+    kit_file, accounting_file = _run_fresh(python, "-c", where, cwd=project).stdout.split()
+    assert Path(kit_file).parent.parent == Path(accounting_file).parent.parent == site  # the wheel's
+    reports = project / "reports"
+    result = _run_fresh(
+        python,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--kit-report={reports}",
+        cwd=project,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "2 passed" in result.stdout
+    # The report as documented: one row per test that launched ranks, in the terminal and in JSON.
+    report = json.loads((reports / "kit-report.json").read_text())
+    rows = {entry["nodeid"]: entry for entry in report["tests"]}
+    trained = rows["tests/test_gpt_tp2.py::test_tp2_gpt_trains_one_step_on_cpu"]
+    assert (trained["outcome"], trained["world_size"], trained["backend"]) == ("passed", 2, "gloo")
+    assert trained["budget_host_bytes"] == 2**30
+    assert 0 < trained["peak_host_bytes"] <= trained["budget_host_bytes"]
+    assert [rank["rank"] for rank in trained["ranks"]] == [0, 1]
+    table_row = next(
+        line for line in result.stdout.splitlines() if "test_tp2_gpt_trains_one_step_on_cpu" in line
+    )
+    assert "host 1.00 GiB" in table_row and table_row.rstrip().endswith("passed")
+    assert (reports / "kit-report.md").is_file()
+    assert (Path(trained["log_dir"]) / "rank1.log").is_file()
+
+
+def _python_block(path: Path, after: str) -> str:
+    """The first ```python block of `path` that follows the line containing `after`."""
+    text = path.read_text()
+    start = text.index("```python\n", text.index(after)) + len("```python\n")
+    return text[start : text.index("\n```", start)] + "\n"
+
+
+def test_the_readmes_example_runs_in_a_fresh_project(megatron_env: dict[str, Any], tmp_path: Path) -> None:
+    # The README's example as a test file, with the model and data its companion page writes out.
+    project = tmp_path / "readme-project"
+    _write(
+        project,
+        {
+            "pyproject.toml": MEGATRON_PROJECT["pyproject.toml"],
+            "tests/test_tp2.py": _python_block(REPO / "README.md", "## Use it in your own tests"),
+            "tests/my_project.py": _python_block(
+                REPO / "docs" / "megatron-on-cpu.md", "`tests/my_project.py`:"
+            ),
+        },
+    )
+    python = megatron_env["python"]
+    result = _run_fresh(python, "-m", "pytest", "-q", "-p", "no:cacheprovider", cwd=project, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "1 passed" in result.stdout
+    assert "test_tp2_gpt_on_cpu" in result.stdout  # its row in the kit's table

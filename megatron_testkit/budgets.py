@@ -1,7 +1,8 @@
 """Per-rank memory budgets: size parsing and the `memory_budget` marker's value.
 
 A budget is data (a frozen dataclass). The launcher enforces it inside each rank
-(`megatron_testkit.rank_worker`); this module only parses and formats sizes, so it is pure and cheap.
+(`megatron_testkit.rank_worker`); this module only parses and formats sizes and names the
+exception of an overrun, so it is pure and cheap.
 """
 
 from __future__ import annotations
@@ -64,16 +65,38 @@ def parse_size(value: str | int | float | None) -> int | None:
     return size
 
 
-def format_size(size: int | float | None) -> str:
-    """``1610612736`` -> ``"1.50 GiB"``; ``None`` -> ``"-"`` (for tables and messages)."""
+def format_size(size: int | float | None, other: int | float | None = None) -> str:
+    """``1610612736`` -> ``"1.50 GiB"``; ``None`` -> ``"-"`` (for tables and messages).
+
+    Bytes below 1 KiB, else two decimals in the largest binary unit up to GiB (within 0.5% of
+    the size). ``other`` is the size printed beside this one (a budget beside a peak, or the peak
+    beside its budget): when the two differ but would read the same, the exact byte count
+    follows, ``"2.00 GiB (2147483649 B)"``, so that "RSS x > budget y" never shows x equal to y.
+    """
     if size is None:
         return "-"
+    text = _readable(size)
+    if other is not None and other != size and _readable(other) == text:
+        return f"{text} ({int(size)} B)"
+    return text
+
+
+def _readable(size: int | float) -> str:
     value = float(size)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024 or unit == "GiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+class MemoryBudgetExceeded(MemoryError):
+    """A rank's peak memory went over its ``memory_budget``; the launch fails with kind ``oom``.
+
+    The name a rank's record and `RankFailure`'s message give when the kit stops a rank for its
+    budget (``megatron_testkit.MemoryBudgetExceeded``). A `MemoryError`, so code that handles
+    running out of memory handles running out of budget the same way.
+    """
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from megatron_testkit.budgets import MemoryBudget, format_size, parse_size
@@ -50,7 +50,56 @@ def test_integer_sizes_in_every_unit_are_exact(number: int, unit: str) -> None:
 @given(st.integers(min_value=1, max_value=2**50))
 def test_formatted_sizes_parse_back_within_rounding(size: int) -> None:
     text = format_size(size).replace(" ", "")
-    assert abs(parse_size(text) - size) <= max(1, size * 0.005)
+    # Below 1 KiB the bytes are exact. Above, two decimals of a value v >= 1 in its unit are off by
+    # at most 0.005 units, i.e. 0.005 / v <= 0.5% of the size; parse_size then truncates to whole
+    # bytes, which loses less than one more byte (size=1070: "1.04KiB" is 1064.96 B, read as 1064).
+    assert abs(parse_size(text) - size) <= size * 0.005 + 1
+
+
+def test_the_size_that_exposed_the_truncated_byte_parses_back_within_the_bound() -> None:
+    assert format_size(1070) == "1.04 KiB"
+    assert parse_size("1.04KiB") == 1064  # 1.04 * 1024 = 1064.96, truncated
+    assert 1070 - 1064 <= 1070 * 0.005 + 1
+
+
+@given(
+    st.integers(min_value=1, max_value=2**50),
+    st.one_of(
+        st.integers(min_value=-(2**20), max_value=2**20), st.integers(min_value=-(2**50), max_value=2**50)
+    ),
+)
+def test_a_size_and_its_budget_never_print_equal_when_they_differ(size: int, delta: int) -> None:
+    budget = size + delta
+    assume(budget >= 1 and budget != size)
+    shown, limit = format_size(size, other=budget), format_size(budget, other=size)
+    assert shown != limit  # "RSS x > budget y": x and y read differently whenever they differ
+    # Only a collision adds the exact bytes, so tables and messages stay readable otherwise.
+    if format_size(size) != format_size(budget):
+        assert (shown, limit) == (format_size(size), format_size(budget))
+    else:
+        assert (shown, limit) == (f"{format_size(size)} ({size} B)", f"{format_size(budget)} ({budget} B)")
+
+
+def test_the_reported_collision_reads_differently() -> None:
+    # A peak one byte over a 2 GiB budget used to read "RSS 2.00 GiB > budget 2.00 GiB".
+    budget = 2 * 2**30
+    assert format_size(budget + 1, other=budget) == "2.00 GiB (2147483649 B)"
+    assert format_size(budget, other=budget + 1) == "2.00 GiB (2147483648 B)"
+    assert format_size(budget, other=budget) == "2.00 GiB"  # equal sizes read equal, without bytes
+    assert format_size(None, other=budget) == "-"
+
+
+def test_the_exception_named_in_budget_messages_is_importable_under_that_name() -> None:
+    import megatron_testkit
+    from megatron_testkit import budgets, diagnosis, ranks
+
+    # rank_worker writes this name into a rank's record when its watchdog stops the rank.
+    assert megatron_testkit.MemoryBudgetExceeded is budgets.MemoryBudgetExceeded
+    assert issubclass(megatron_testkit.MemoryBudgetExceeded, MemoryError)
+    assert megatron_testkit.RankFailure is diagnosis.RankFailure is ranks.RankFailure
+    assert megatron_testkit.run_ranks is ranks.run_ranks
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        megatron_testkit.nothing_here  # noqa: B018
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,8 @@
-"""fixtures.megatron: the CPU shim is narrow, does what it documents, and never leaks; spec choice.
+"""The shipped megatron-core layer: the CPU shim is narrow, does what it documents, never leaks; specs.
+
+`megatron_testkit.megatron_cpu` (the shim) and `megatron_testkit.megatron_compat` (release
+differences), as a user imports them; `fixtures.megatron.gpt_layer_spec` adds this repository's
+reference attention.
 
 A real GPTModel trains under the shim in functional/test_cp_pretrain_sft.py; here each patched
 behaviour is checked on its own, single process, on whichever megatron-core release is installed
@@ -11,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.abc
 import inspect
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import megatron as fm
+from fixtures import megatron as repo_megatron
+from megatron_testkit import megatron_compat as mc
+from megatron_testkit import megatron_cpu as mcpu
 
 pytestmark = [
     pytest.mark.L0,
@@ -43,8 +50,8 @@ def _originals() -> dict[str, object]:
 
 
 def test_cuda_placements_land_on_the_cpu_inside_the_shim() -> None:
-    with fm.cpu_shim():
-        assert fm.shim_active()
+    with mcpu.cpu_shim():
+        assert mcpu.shim_active()
         assert torch.cuda.current_device() == "cpu"
         assert torch.empty(3, device="cuda").device.type == "cpu"
         assert torch.zeros(2, device=torch.device("cuda", 0)).device.type == "cpu"
@@ -58,11 +65,11 @@ def test_cuda_placements_land_on_the_cpu_inside_the_shim() -> None:
         stream = torch.cuda.current_stream()
         stream.wait_stream(stream)
         stream.wait_event(torch.Event())
-    assert not fm.shim_active()
+    assert not mcpu.shim_active()
 
 
 def test_cuda_rng_calls_drive_the_cpu_generator() -> None:
-    with fm.cpu_shim():
+    with mcpu.cpu_shim():
         torch.cuda.manual_seed(7)
         a = torch.rand(4)
         state = torch.cuda.get_rng_state()
@@ -76,7 +83,7 @@ def test_cuda_rng_calls_drive_the_cpu_generator() -> None:
 def test_megatron_rng_tracker_seeds_under_the_shim() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
-    with fm.cpu_shim():
+    with mcpu.cpu_shim():
         tracker = mcore_random.get_cuda_rng_tracker()
         tracker.reset()
         tracker.add("kit-test", 123)
@@ -91,32 +98,32 @@ def test_megatron_rng_tracker_seeds_under_the_shim() -> None:
 
 def test_everything_is_restored_on_exit_even_after_an_error() -> None:
     before = _originals()
-    with pytest.raises(RuntimeError, match="boom"), fm.cpu_shim():
+    with pytest.raises(RuntimeError, match="boom"), mcpu.cpu_shim():
         assert torch.cuda.current_device() == "cpu"
         raise RuntimeError("boom")
     assert _originals() == before
-    assert not fm.shim_active()
+    assert not mcpu.shim_active()
     with pytest.raises((RuntimeError, AssertionError)):
         torch.empty(1, device="cuda")  # the mode is gone too
 
 
 def test_nested_use_keeps_the_outer_shim_in_charge() -> None:
     before = _originals()
-    with fm.cpu_shim():
-        with fm.cpu_shim():
+    with mcpu.cpu_shim():
+        with mcpu.cpu_shim():
             assert torch.empty(1, device="cuda").device.type == "cpu"
-        assert fm.shim_active()
+        assert mcpu.shim_active()
         assert torch.empty(1, device="cuda").device.type == "cpu"
     assert _originals() == before
 
 
 def test_fixture_form(use_cpu_shim: None) -> None:
-    assert fm.shim_active()
+    assert mcpu.shim_active()
     assert torch.empty(1, device="cuda").device.type == "cpu"
 
 
 def test_te_status_says_why_not_on_cpu() -> None:
-    ok, reason = fm.te_status()
+    ok, reason = mc.te_status()
     assert not ok and "CUDA" in reason
 
 
@@ -134,7 +141,7 @@ def test_te_runtime_error_on_locating_it_is_caught(monkeypatch: pytest.MonkeyPat
     for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [_RaisingFinder(), *sys.meta_path])
-    ok, reason = fm.te_status()
+    ok, reason = mc.te_status()
     assert not ok
     assert "RuntimeError" in reason and "cudnn" in reason
 
@@ -152,7 +159,7 @@ def _fake_te(root: Path, init: str) -> Path:
 def cuda_claimed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stands in for a GPU (the only part that cannot be had here) and empties te_status's cache."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(fm, "_te_import_results", {})
+    monkeypatch.setattr(mc, "_te_import_results", {})
     for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
         monkeypatch.delitem(sys.modules, name)
 
@@ -164,11 +171,11 @@ def test_te_status_imports_te_in_a_child_never_in_this_process(
     root = _fake_te(tmp_path, 'raise RuntimeError("cudnn shared object not found.")\n')
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setenv("PYTHONPATH", str(root))
-    ok, reason = fm.te_status()
+    ok, reason = mc.te_status()
     assert not ok
     assert "RuntimeError" in reason and "cudnn shared object not found" in reason
     assert not any(m.split(".")[0] == "transformer_engine" for m in sys.modules)
-    assert list(fm._te_import_results.values()) == [(ok, reason)]  # one child per interpreter + TE
+    assert list(mc._te_import_results.values()) == [(ok, reason)]  # one child per interpreter + TE
 
 
 def test_te_status_true_when_the_child_imports_te(
@@ -177,15 +184,15 @@ def test_te_status_true_when_the_child_imports_te(
     root = _fake_te(tmp_path, "VERSION = 'fake'\n")
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setenv("PYTHONPATH", str(root))
-    assert fm.te_status() == (True, "transformer_engine imports and CUDA is available")
+    assert mc.te_status() == (True, "transformer_engine imports and CUDA is available")
     assert "transformer_engine" not in sys.modules
     # The answer is cached: a second call starts no child (an unrunnable interpreter would fail it).
-    monkeypatch.setattr(fm.subprocess, "run", None)
-    assert fm.te_status()[0]
+    monkeypatch.setattr(mc.subprocess, "run", None)
+    assert mc.te_status()[0]
 
 
 def test_te_status_says_when_te_is_not_installed(cuda_claimed: None) -> None:
-    ok, reason = fm.te_status()
+    ok, reason = mc.te_status()
     assert not ok and reason == "transformer_engine is not installed"
 
 
@@ -206,10 +213,10 @@ def _forwards_kwargs(fn: object) -> bool:
 def test_te_spec_keyword_set_excludes_normalization_on_this_release() -> None:
     builders = _builders()
     te, local = builders["te"], builders["local"]
-    assert "normalization" not in fm.spec_keywords(te)  # TE norms come from TransformerConfig
-    assert "normalization" in fm.spec_keywords(local)
-    assert {"num_experts", "qk_layernorm"} <= fm.spec_keywords(te)
-    assert fm.spec_kwargs(te, normalization="RMSNorm", qk_layernorm=False) == {"qk_layernorm": False}
+    assert "normalization" not in mc.spec_keywords(te)  # TE norms come from TransformerConfig
+    assert "normalization" in mc.spec_keywords(local)
+    assert {"num_experts", "qk_layernorm"} <= mc.spec_keywords(te)
+    assert mc.spec_kwargs(te, normalization="RMSNorm", qk_layernorm=False) == {"qk_layernorm": False}
     if _forwards_kwargs(te):
         # megatron-core >= 0.17: the builder forwards **kwargs to a function without the
         # keyword, so passing it (what the kit did) raises before TE is ever needed.
@@ -221,7 +228,7 @@ def test_te_spec_keyword_set_excludes_normalization_on_this_release() -> None:
     # What gpt_layer_spec passes binds to the builder's real target: on CPU the TE builder then
     # fails only for want of TE (0.16.1: NameError TESpecProvider; 0.19.2: TESpecProvider is None).
     try:
-        te(**fm.spec_kwargs(te, normalization="RMSNorm"))
+        te(**mc.spec_kwargs(te, normalization="RMSNorm"))
     except TypeError as exc:
         assert "keyword argument" not in str(exc), f"the TE spec refused the kit's keywords: {exc}"
     except (NameError, ImportError, AssertionError, RuntimeError):
@@ -233,7 +240,7 @@ def test_a_forwarder_without_a_target_is_refused() -> None:
         return None
 
     with pytest.raises(TypeError, match="get_gpt_layer_mystery_submodules"):
-        fm.spec_keywords(get_gpt_layer_mystery_spec)
+        mc.spec_keywords(get_gpt_layer_mystery_spec)
 
 
 # --------------------------------------------------------------------- pad_between_seqs (THD)
@@ -249,7 +256,7 @@ def test_tail_only_padding_is_declared_as_padding_between_sequences() -> None:
 
     # The SFT pack shape: one 115-token document padded to 256 after it, nothing in between.
     cu, cu_pad = torch.tensor([0, 115], dtype=torch.int32), torch.tensor([0, 256], dtype=torch.int32)
-    p = fm.make_packed_seq_params(
+    p = mc.make_packed_seq_params(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
@@ -268,15 +275,15 @@ def test_tail_only_padding_is_declared_as_padding_between_sequences() -> None:
 def test_packed_seq_params_keeps_an_explicit_flag_and_names_unknown_fields() -> None:
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
     assert (
-        fm.make_packed_seq_params(
+        mc.make_packed_seq_params(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu, pad_between_seqs=False
         ).pad_between_seqs
         is False
     )
-    unpadded = fm.make_packed_seq_params(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    unpadded = mc.make_packed_seq_params(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     assert getattr(unpadded, "pad_between_seqs", None) is None  # nothing padded: TE decides
     with pytest.raises(TypeError, match="cu_seqlens_typo"):
-        fm.make_packed_seq_params(qkv_format="thd", cu_seqlens_typo=cu)
+        mc.make_packed_seq_params(qkv_format="thd", cu_seqlens_typo=cu)
 
 
 class _ForwardsKeptFields:
@@ -305,9 +312,9 @@ class _ForwardsKeptFields:
 def test_older_releases_forward_pad_between_seqs_to_te_for_one_call_only() -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    wrapped = fm.with_pad_between_seqs(_ForwardsKeptFields)()
+    wrapped = mc.with_pad_between_seqs(_ForwardsKeptFields)()
     cu = torch.tensor([0, 115], dtype=torch.int32)
-    flagged = fm.make_packed_seq_params(
+    flagged = mc.make_packed_seq_params(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=torch.tensor([0, 256], dtype=torch.int32)
     )
     plain = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu)
@@ -318,16 +325,22 @@ def test_older_releases_forward_pad_between_seqs_to_te_for_one_call_only() -> No
     assert "pad_between_seqs" not in wrapped.te_calls[1]  # a params object without the flag
     assert "pad_between_seqs" not in wrapped.kept_packed_seq_params  # restored after the call
     with pytest.raises(TypeError, match="kept_packed_seq_params"):
-        fm.with_pad_between_seqs(type("NoKept", (), {"forward": lambda self, **kw: None}))()
+        mc.with_pad_between_seqs(type("NoKept", (), {"forward": lambda self, **kw: None}))()
 
 
 def test_local_spec_carries_the_reference_attention_and_te_request_fails_clearly() -> None:
     from fixtures.attention import ReferenceCoreAttention
 
-    spec = fm.gpt_layer_spec()
+    spec = repo_megatron.gpt_layer_spec()
     assert spec.submodules.self_attention.submodules.core_attention is ReferenceCoreAttention
+    # The shipped spec, without a replacement, keeps megatron's own local core attention.
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    megatrons_own = gpt_layer_specs.get_gpt_layer_local_spec().submodules.self_attention.submodules
+    shipped = mc.gpt_layer_spec().submodules.self_attention.submodules
+    assert shipped.core_attention is megatrons_own.core_attention is not ReferenceCoreAttention
     with pytest.raises(RuntimeError, match="Transformer Engine spec was requested but no CUDA"):
-        fm.gpt_layer_spec(use_te=True)
+        repo_megatron.gpt_layer_spec(use_te=True)
 
 
 def test_version_guard_drops_keywords_the_installed_signature_lacks() -> None:
@@ -337,14 +350,25 @@ def test_version_guard_drops_keywords_the_installed_signature_lacks() -> None:
     def new(a, b=1, **kw):
         return (a, b, kw)
 
-    assert fm.call_with_supported_kwargs(old, a=1, b=2, c=3) == (1, 2)
-    assert fm.call_with_supported_kwargs(new, a=1, c=3) == (1, 1, {"c": 3})
+    assert mc.call_with_supported_kwargs(old, a=1, b=2, c=3) == (1, 2)
+    assert mc.call_with_supported_kwargs(new, a=1, c=3) == (1, 1, {"c": 3})
 
 
 def test_checkpoint_common_state_names_both_layouts_when_neither_is_there(tmp_path: Path) -> None:
     # The two real layouts are read in functional/test_cp_pretrain_sft.py on 0.16.1 (common.pt)
     # and 0.19.2 (the common_state object); here: a directory with neither.
     with pytest.raises(FileNotFoundError, match=r"no common\.pt and 0 'common_state' objects"):
-        fm.checkpoint_common_state(tmp_path)
+        mc.checkpoint_common_state(tmp_path)
     torch.save({"iteration": 3}, tmp_path / "common.pt")
-    assert fm.checkpoint_common_state(tmp_path) == {"iteration": 3}
+    assert mc.checkpoint_common_state(tmp_path) == {"iteration": 3}
+
+
+def test_the_shipped_layer_imports_neither_torch_nor_megatron() -> None:
+    # The plugin may import it in any project, where torch is not a dependency of the kit.
+    probe = (
+        "import sys, megatron_testkit.megatron_cpu, megatron_testkit.megatron_compat; "
+        "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 import accounting
 from fixtures.data import ByteTokenizer, pack_examples, squad_like_dataset, tokenize_dataset
-from fixtures.megatron import cpu_shim, destroy_model_parallel
 from fixtures.training import (
     TRACKER_FILE,
     CheckpointMismatchError,
@@ -29,6 +28,7 @@ from fixtures.training import (
     checkpoint_dir,
     in_process_write_queue,
 )
+from megatron_testkit.megatron_cpu import cpu_shim, destroy_model_parallel
 
 pytestmark = [
     pytest.mark.L0,
