@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from fixtures import megatron as fm
+from megatron_testkit import skips
 
 pytestmark = [
     pytest.mark.L0,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is a no-op where CUDA exists"),
+    skips.skip_if(torch.cuda.is_available(), "no-cuda", "the shim is a no-op where CUDA exists"),
 ]
 
 

@@ -29,10 +29,11 @@ from fixtures.training import (
     checkpoint_dir,
     in_process_write_queue,
 )
+from megatron_testkit import skips
 
 pytestmark = [
     pytest.mark.L0,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness checks (the GPU path is functional)"),
+    skips.skip_if(torch.cuda.is_available(), "no-cuda", "CPU harness checks (the GPU path is functional)"),
 ]
 
 
