@@ -30,6 +30,15 @@ DEVICE_MEMORY_ENV = "KIT_DEVICE_MEMORY"  # per-GPU cap emulating the CI card, e.
 REQUIRE_GPUS_ENV = "KIT_REQUIRE_GPUS"  # a GPU test skipped for want of GPUs fails instead
 MEGATRON_CORE_ENV = "KIT_MEGATRON_CORE"  # the megatron-core release ci/setup.sh installs
 JOB_ENV = "KIT_CI_JOB"  # the row's name, so a report (and `repro --from-report`) knows its row
+ALLOWED_SKIPS_ENV = "KIT_ALLOWED_SKIPS"  # what the row's machine lacks: any other skip fails
+
+# What each kind of runner lacks, in megatron_testkit.skips' vocabulary. A CPU runner has no CUDA
+# (so no GPUs and no Transformer Engine, which needs them) and, on GitHub's hosted runners, no
+# writable memory cgroup; it has nvdlfw-inspect (the `inspect` extra) and matplotlib (`charts`).
+# A GPU row runs NGC's container, which ships TE and nvdlfw-inspect: it lacks only a CUDA-free
+# machine (the CPU-path checks). An older megatron-core lacks what newer releases added.
+CPU_ALLOWED_SKIPS = ("cuda", "gpus", "te", "cgroup")
+GPU_ALLOWED_SKIPS = ("no-cuda",)
 
 # The supported megatron-core releases: the newest is what L0 runs (what users train with), the
 # oldest runs in L1. 0.17+ need Python 3.12; 0.16.1 is the last release that installs on 3.11.
@@ -100,6 +109,7 @@ class Job:
     host_memory: str | None = None
     device_memory: str | None = None
     markexpr: str = ""
+    allowed_skips: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     pytest_args: tuple[str, ...] = _COMMON_PYTEST_ARGS
 
@@ -118,6 +128,7 @@ class Job:
         env = {key: value.replace("{reports}", str(reports)) for key, value in self.env.items()}
         env[JOB_ENV] = self.name
         env[MEGATRON_CORE_ENV] = self.megatron_core
+        env[ALLOWED_SKIPS_ENV] = ",".join(self.allowed_skips)
         if self.gpus:
             env[REQUIRE_GPUS_ENV] = str(self.gpus)
         if self.host_memory is not None:
@@ -136,8 +147,17 @@ class Job:
         return ["bash", "ci/test.sh", self.tier, *self.extra_pytest_args()]
 
 
+def release_skips(megatron_core: str) -> tuple[str, ...]:
+    """An older release may skip the tests of what the newest added (declared as megatron>=<newest minor>)."""
+    if megatron_core == MEGATRON_NEWEST:
+        return ()
+    return (f"megatron>={'.'.join(MEGATRON_NEWEST.split('.')[:2])}",)
+
+
 def _row(tier: str, kind: str, timeout_minutes: int, megatron_core: str = MEGATRON_NEWEST) -> Job:
     suffix = "" if megatron_core == MEGATRON_NEWEST else f"-mcore-{megatron_core}"
+    # An older release's row runs L0 too: the L0 tests that import or branch on megatron-core.
+    markexpr = f"L0 or {tier}" if megatron_core != MEGATRON_NEWEST and tier != "L0" else ""
     if kind == "cpu":
         return Job(
             name=f"{tier}-cpu{suffix}",
@@ -147,6 +167,8 @@ def _row(tier: str, kind: str, timeout_minutes: int, megatron_core: str = MEGATR
             megatron_core=megatron_core,
             lint=tier == "L0",
             host_memory="7GB",
+            markexpr=markexpr,
+            allowed_skips=CPU_ALLOWED_SKIPS + release_skips(megatron_core),
             env={**_COMMON_ENV, **_CPU_ENV, **(_NIGHTLY_ENV if tier == "L2" else {})},
         )
     return Job(
@@ -160,6 +182,7 @@ def _row(tier: str, kind: str, timeout_minutes: int, megatron_core: str = MEGATR
         python=None,
         device_memory="40GiB",
         markexpr=f"{tier} and gpu",
+        allowed_skips=GPU_ALLOWED_SKIPS + release_skips(megatron_core),
         env={**_COMMON_ENV, **_GPU_ENV},
     )
 

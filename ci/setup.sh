@@ -91,11 +91,11 @@ if ! "$py" -c 'import torch' 2>/dev/null; then
     pip install torch==2.13.0
   fi
 fi
-extras="test"
+extras="test,charts"
 if [ "${KIT_SYSTEM_PYTHON:-0}" = "1" ] && "$py" -c 'import nvdlfw_inspect' 2>/dev/null; then
   echo "ci/setup.sh: keeping the interpreter's own nvdlfw-inspect" >&2
 else
-  extras=test,inspect
+  extras=test,charts,inspect
 fi
 # Not the `megatron` extra: it would resolve megatron-core by itself (0.16.1 on Python 3.11).
 pip install -e ".[$extras]" psutil

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from fixtures.attention_te import te_vs_reference_worker
+from megatron_testkit import skips
 from megatron_testkit.ranks import run_ranks
 
 # Head dims TE can run THD + CP + padding with. Only cuDNN's fused attention takes that case: TE
@@ -163,7 +164,7 @@ def test_te_attention_matches_the_reference_under_cp2() -> None:
 
     usable, reason = te_status()
     if not usable:
-        pytest.skip(reason)
+        skips.skip("te" if torch.cuda.is_available() else "cuda", reason)
     cases = te_cases(cp=2)
     per_rank = run_ranks(te_vs_reference_worker, 2, backend="nccl", args=(cases,), timeout=300)
     for rank, results in enumerate(per_rank):

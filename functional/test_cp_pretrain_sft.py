@@ -33,6 +33,7 @@ from fixtures.oracles import megatron_lm_step_flops
 from fixtures.rounding import BF16_UNIT_ROUNDOFF, FP32_UNIT_ROUNDOFF, per_token_loss_tolerance
 from fixtures.tensorboard import read_scalars
 from fixtures.training import ModelConfig
+from megatron_testkit import skips
 from megatron_testkit.ranks import run_ranks
 
 # --------------------------------------------------------------------------------- the scenario
@@ -264,7 +265,7 @@ def cp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
         usable, reason = te_status()
         if not usable:
-            pytest.skip(reason)
+            skips.skip("te" if torch.cuda.is_available() else "cuda", reason)
     s = Scenario(backend=backend)
     root = tmp_path_factory.mktemp(f"cp_pretrain_sft_{backend}")
     started = time.perf_counter()

@@ -26,6 +26,7 @@ import pytest
 
 from fixtures import faults
 from fixtures.inner_session import inner_env
+from megatron_testkit import skips
 
 pytestmark = pytest.mark.L2
 
@@ -171,7 +172,7 @@ def test_every_kind_is_drawn_and_named_correctly_every_time(campaign: dict[str, 
     # 100% per kind, the kinds once misnamed (kernel_oom, exit0) included.
     if kind == "kernel_oom" and not faults.kernel_oom_availability()[0]:
         assert [r for r in campaign["rows"] if r["kind"] == kind] == []
-        pytest.skip("no capped memory cgroup can be created on this machine (printed above)")
+        skips.skip("cgroup", "no capped memory cgroup can be created on this machine (printed above)")
     rows = [r for r in campaign["rows"] if r["kind"] == kind]
     assert rows, f"no {kind} trial was drawn: raise KIT_FAULT_TRIALS"
     assert [(r["ident"], r["reported_rank"], r["reported_kind"]) for r in rows if not r["correct"]] == []
@@ -194,8 +195,22 @@ def test_a_hang_verdict_shows_where_the_stuck_rank_is(campaign: dict[str, Any]) 
 def test_kernel_oom_kills_are_real(campaign: dict[str, Any]) -> None:
     # The ground truth of the kernel-oom kind: the capped group's own counter saw the kill.
     rows = [r for r in campaign["rows"] if r["kind"] == "kernel_oom"]
-    if not faults.kernel_oom_availability()[0]:
+    available, why = faults.kernel_oom_availability()
+    if not available:
         assert rows == []
-        return
+        skips.skip("cgroup", why)
     assert rows, "no kernel_oom trial was drawn: raise KIT_FAULT_TRIALS"
     assert [r["ident"] for r in rows if not r["cgroup_oom_kills"]] == []
+
+
+def test_the_kernel_oom_ground_truth_can_fail() -> None:
+    # Negative control of the check above: a capped group in which nothing was killed reads 0
+    # kills, so a kernel_oom trial whose rank died some other way has falsy `cgroup_oom_kills`.
+    available, why = faults.kernel_oom_availability()
+    if not available:
+        skips.skip("cgroup", why)
+    group = faults.CappedCgroup()
+    try:
+        assert group.oom_kills() == 0
+    finally:
+        assert group.remove()

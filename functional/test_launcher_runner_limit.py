@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from megatron_testkit import skips
 from megatron_testkit.ranks import RankFailure, run_ranks
 
 pytestmark = pytest.mark.L0
@@ -83,8 +84,9 @@ def rank_cgroup(limit: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     group = apply_memory_limit(limit)
     if group.cgroup is None:
         group.close()
-        pytest.skip(
-            f"no writable memory cgroup on this machine (the KIT_HOST_MEMORY variant runs): {group.describe()}"
+        skips.skip(
+            "cgroup",
+            f"no writable memory cgroup on this machine (the KIT_HOST_MEMORY variant runs): {group.describe()}",
         )
     monkeypatch.setenv("KIT_RANK_CGROUP", str(group.cgroup))
     monkeypatch.setenv("KIT_HOST_MEMORY", str(limit))  # as the repro sets both; the kernel enforces
@@ -163,8 +165,9 @@ def test_a_kernel_oom_kill_in_the_launchers_own_cgroup_is_named_oom_not_crash(li
     group = apply_memory_limit(8 << 30)  # made here; the launcher lowers it from inside
     if group.cgroup is None:
         group.close()
-        pytest.skip(
-            f"no writable memory cgroup on this machine (the KIT_HOST_MEMORY variant runs): {group.describe()}"
+        skips.skip(
+            "cgroup",
+            f"no writable memory cgroup on this machine (the KIT_HOST_MEMORY variant runs): {group.describe()}",
         )
     env = {k: v for k, v in os.environ.items() if k not in ("KIT_RANK_CGROUP", "KIT_HOST_MEMORY")}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

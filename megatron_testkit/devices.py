@@ -188,6 +188,7 @@ class GpuGate:
 
     action: str
     reason: str = ""
+    capability: str = "cuda"  # what a skip declares (megatron_testkit.skips): cuda, or gpus for a count
 
 
 def gpu_gate(visible: int, need: int | None, required: int) -> GpuGate:
@@ -204,6 +205,7 @@ def gpu_gate(visible: int, need: int | None, required: int) -> GpuGate:
     wanted = 1 if need is None else need
     if visible >= wanted:
         return GpuGate("run")
+    capability = "cuda" if visible == 0 else "gpus"
     if visible == 0:
         reason = "needs CUDA (marked gpu); no CUDA device is visible"
     else:
@@ -214,4 +216,4 @@ def gpu_gate(visible: int, need: int | None, required: int) -> GpuGate:
             f"{reason}; but {REQUIRE_GPUS_ENV}={required} promises {required}: "
             "the job lost its GPUs (driver, container --gpus, CUDA_VISIBLE_DEVICES)",
         )
-    return GpuGate("skip", reason)
+    return GpuGate("skip", reason, capability)

@@ -39,7 +39,7 @@ from typing import Any
 import psutil
 import pytest
 
-from megatron_testkit import attribution
+from megatron_testkit import attribution, skips
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
 from megatron_testkit.schema import Session
@@ -56,6 +56,7 @@ _MARKERS = (
     "leak_guard: apply the kit's leak guard to this test although it launches no ranks",
 )
 _LEAK_GUARD_MODES = ("ranks", "all", "off")
+_ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
 
 
 _SAVED_ROOTS = pytest.StashKey[tuple]()
@@ -143,7 +144,12 @@ class _KitSession:
             ci_job=os.environ.get("KIT_CI_JOB") or None,  # the CI row (set by `python -m ci job`)
             pytest_rss_start_bytes=self.rss_start,
             pytest_rss_end_bytes=_rss(),
+            allowed_skips=_allowed_list(self.config.stash.get(_ALLOWED_SKIPS, None)),
         ).to_json()
+
+
+def _allowed_list(allowed: frozenset[str] | None) -> list[str] | None:
+    return None if allowed is None else sorted(allowed)
 
 
 def _rss() -> int:
@@ -170,6 +176,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in _MARKERS:
         config.addinivalue_line("markers", line)
     _leak_guard_mode(config)  # a bad value is a usage error now, not in the first test's teardown
+    _register_skip_policy(config)
     # Saved and restored: a pytester session run in-process must not redirect the outer one's logs.
     config.stash[_SAVED_ROOTS] = (attribution.log_root(), attribution.scratch_root())
     option = config.getoption("--kit-report", None)
@@ -181,6 +188,16 @@ def pytest_configure(config: pytest.Config) -> None:
     if not _is_xdist_worker(config):
         config.pluginmanager.register(_KitSession(config), "kit-session-report")
     config.stash[_SAVED_SIGTERM] = _sigterm_as_interrupt()
+
+
+def _register_skip_policy(config: pytest.Config) -> None:
+    """Declared skips (`megatron_testkit.skips`): ``KIT_ALLOWED_SKIPS`` is read once, here."""
+    try:
+        allowed = skips.allowed_skips()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.stash[_ALLOWED_SKIPS] = allowed
+    config.pluginmanager.register(skips.SkipPolicy(allowed), "kit-skip-policy")
 
 
 def _sigterm_as_interrupt() -> Any:
@@ -263,7 +280,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if gate.action == "fail":
         pytest.fail(gate.reason, pytrace=False)
     if gate.action == "skip":
-        pytest.skip(gate.reason)
+        skips.skip(gate.capability, gate.reason)
 
 
 # ---- attribution and per-test measurements -----------------------------------------------------

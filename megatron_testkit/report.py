@@ -34,6 +34,7 @@ class TestRow:
     pytest_rss_after_bytes: int | None = None
     leaked_processes: int = 0
     worker: str | None = None
+    skip_capability: str | None = None
     runs: list[Run] = field(default_factory=list)
 
     def entry(self) -> TestEntry:
@@ -66,6 +67,7 @@ class TestRow:
             log_dir=log_dirs[0] if log_dirs else None,
             launches=len(self.runs),
             worker=self.worker,
+            skip_capability=self.skip_capability,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -109,6 +111,7 @@ class ReportCollector:
             row.pytest_rss_after_bytes = kit["pytest_rss_after_bytes"]
         row.leaked_processes += int(kit.get("leaked_processes", 0))
         row.worker = kit.get("worker") or row.worker
+        row.skip_capability = kit.get("skip_capability") or row.skip_capability
         outcome = _phase_outcome(report)
         if outcome in ("failed", "error") and row.outcome not in ("failed", "error"):
             failure = kit.get("failure")
@@ -199,6 +202,19 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     return out
 
 
+def skip_counts(report: dict[str, Any]) -> dict[str, int]:
+    """Skipped tests per declared capability (``undeclared`` for a free-text skip), most first.
+
+    An xfail reads as skipped in the counts but carries no capability, so it is not listed here.
+    """
+    counts: dict[str, int] = {}
+    for row in report["tests"]:
+        name = row.get("skip_capability")
+        if row["outcome"] == "skipped" and name:
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
 def _footer(report: dict[str, Any]) -> list[str]:
     counts = report["session"]["outcome_counts"]
     shown = len(table_rows(report))
@@ -208,6 +224,9 @@ def _footer(report: dict[str, Any]) -> list[str]:
         f"{rest} tests ran no ranks (listed in kit-report.json)" if rest else "",
         rss_growth_line(report),
     ]
+    skipped = skip_counts(report)
+    if skipped:
+        lines.append("skips by capability: " + ", ".join(f"{name} {n}" for name, n in skipped.items()))
     leaked = sum(row["leaked_processes"] for row in report["tests"])
     if leaked:
         lines.append(f"{leaked} leaked processes were killed (see leaked_processes per test)")

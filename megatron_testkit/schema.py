@@ -111,6 +111,7 @@ class TestEntry:
     log_dir: str | None = None
     launches: int = 0
     worker: str | None = None
+    skip_capability: str | None = None  # what a skipped test declared it needs (megatron_testkit.skips)
 
     def to_json(self) -> dict[str, Any]:
         """The row as plain JSON types, in the report's field names."""
@@ -139,6 +140,8 @@ class TestEntry:
             values.get("leaked_processes") if _is_int(values.get("leaked_processes")) else 0
         )
         values["outcome"] = str(data["outcome"])
+        if not isinstance(values.get("skip_capability"), str):
+            values["skip_capability"] = None
         values["ranks"] = [
             RankPeak.from_json(r, f"{where}.ranks[{i}]")
             for i, r in enumerate(data.get("ranks") or [])
@@ -176,6 +179,7 @@ class Session:
     ci_job: str | None
     pytest_rss_start_bytes: int | None
     pytest_rss_end_bytes: int | None
+    allowed_skips: list[str] | None = None  # KIT_ALLOWED_SKIPS (None: unset, skips unchecked)
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -195,6 +199,8 @@ class Session:
         for name in ("started", "markexpr", "host", "platform", "python"):
             values[name] = str(values[name] or "")
         values["duration_s"] = float(values["duration_s"] or 0.0)
+        allowed = values["allowed_skips"]
+        values["allowed_skips"] = [str(a) for a in allowed] if isinstance(allowed, list) else None
         return cls(**values)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from ci.charts import bars, memory_charts_markdown, mermaid, write_png
 from ci.jobs import ROOT
+from megatron_testkit import skips
 
 pytestmark = pytest.mark.L0
 
@@ -92,22 +93,21 @@ def test_the_summary_section_names_what_went_over_budget(tmp_path: Path) -> None
     assert memory_charts_markdown(tmp_path / "absent.json") == ""
 
 
-def test_the_png_is_drawn_with_matplotlib_or_skipped_with_one_line(
+def test_the_png_is_drawn_with_matplotlib(tmp_path: Path) -> None:
+    skips.importorskip("matplotlib", "matplotlib", "the `charts` extra is not installed")
+    path = tmp_path / "kit-report.json"
+    path.write_text(json.dumps(REPORT))
+    png = tmp_path / "kit-memory.png"
+    assert write_png(path, png) == f"memory chart: {png}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_png_is_skipped_with_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "kit-report.json"
     path.write_text(json.dumps(REPORT))
     png = tmp_path / "kit-memory.png"
-    try:
-        import matplotlib  # noqa: F401
-
-        have = True
-    except ImportError:
-        have = False
-    if have:
-        assert write_png(path, png) == f"memory chart: {png}"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        png.unlink()
     # Without matplotlib (an optional dependency): one line, no file, no exception.
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     line = write_png(path, png)

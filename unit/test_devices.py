@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_testkit import devices
+from megatron_testkit import devices, skips
 
 pytestmark = pytest.mark.L0
 
@@ -88,7 +88,7 @@ def test_a_rank_uses_cuda_with_nccl_or_in_a_gpu_test_unless_its_devices_are_hidd
 @pytest.mark.gpu
 def test_a_hidden_rank_sees_no_cuda_device_on_a_gpu_machine():
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA: on a CPU machine every rank already sees no device")
+        skips.skip("cuda", "on a CPU machine every rank already sees no device")
     env = {**os.environ, **devices.rank_device_env("gloo", gpu_test=False)}
     out = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.cuda.is_available(), torch.cuda.device_count())"],
@@ -123,7 +123,7 @@ def test_a_bad_emulated_card_size_names_the_variable():
 
 def test_without_cuda_no_cap_is_applied_and_nothing_is_touched():
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA (see the gpu test)")
+        skips.skip("no-cuda", "this machine has CUDA (see the gpu test)")
     assert devices.apply_device_cap(0, "gloo", 4 * GiB) == "none"
     assert devices.apply_device_cap(0, "nccl", None) == "none"
     assert not torch.cuda.is_initialized()
@@ -178,7 +178,7 @@ print(mode, before, capped)
 @pytest.mark.gpu
 def test_on_cuda_the_queued_cap_applies_at_the_first_touch_and_not_before():
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+        skips.skip("cuda", "the cap applies to a real CUDA device")
     out = subprocess.run([sys.executable, "-c", _LAZY_CAP_PROBE], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["lazy", "False", "True"]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from accounting import ModelShape, SeqlenStats, seqlen_stats, training_flops
 from accounting.presets import PRESETS
+from megatron_testkit import skips
 from unit.strategies import dense_megatron_shapes, doc_lengths, model_shapes, packs
 
 pytestmark = pytest.mark.L0
@@ -246,7 +247,9 @@ def test_windowed_core_attention_equals_a_brute_force_per_layer_per_document_pai
 
 @given(model_shapes(window=True))
 def test_window_layer_pattern_agrees_with_megatron_core(shape):
-    utils = pytest.importorskip("megatron.core.transformer.utils")
+    skips.require_megatron()
+    import megatron.core.transformer.utils as utils
+
     skip = shape.window_attn_skip_freq
     skip = list(skip) if isinstance(skip, tuple) else skip
     expected = tuple(
@@ -469,7 +472,7 @@ def test_invalid_shapes_raise_value_error_naming_the_field(overrides, field):
 
 
 def test_from_megatron_reads_a_real_transformer_config():
-    pytest.importorskip("megatron.core")
+    skips.require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
@@ -522,7 +525,7 @@ def test_from_megatron_refuses_what_it_does_not_model_naming_the_field(overrides
 
 
 def test_from_megatron_names_a_field_of_a_newer_release_set_away_from_its_default():
-    pytest.importorskip("megatron.core")
+    skips.require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     # A release newer than the kit knows: a real TransformerConfig with one more field.
@@ -540,7 +543,7 @@ def test_from_megatron_names_a_field_of_a_newer_release_set_away_from_its_defaul
 
 
 def test_the_known_fields_cover_every_field_of_the_installed_megatron_core():
-    pytest.importorskip("megatron.core")
+    skips.require_megatron()
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     from accounting.megatron_config import KNOWN_FIELDS

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from accounting import ModelShape, SeqlenStats, seqlen_stats, training_flops
 from fixtures.oracles import causal_pairs
+from megatron_testkit import skips
 from unit.strategies import cu_from_lengths, doc_lengths
 
 pytestmark = pytest.mark.L0
@@ -216,7 +217,7 @@ def test_frozen_base_with_dsa_is_refused():
 
 
 def _dsa_config(**overrides):
-    pytest.importorskip("megatron.core")
+    skips.require_megatron()
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     base = {
@@ -243,7 +244,7 @@ def _dsa_config(**overrides):
 
 
 def _has_field(name: str) -> bool:
-    pytest.importorskip("megatron.core")
+    skips.require_megatron()
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     return name in {f.name for f in dataclasses.fields(MLATransformerConfig)}
@@ -265,7 +266,10 @@ def test_from_megatron_reads_a_real_dsa_config_or_refuses_a_pre_0_19_one():
 
 def test_from_megatron_refuses_cross_layer_top_k_sharing():
     if not _has_field("dsa_indexer_topk_freq"):
-        pytest.skip("megatron-core before 0.19 has no dsa_indexer_topk_freq (cross-layer top-k sharing)")
+        skips.skip(
+            "megatron>=0.19",
+            "megatron-core before 0.19 has no dsa_indexer_topk_freq (cross-layer top-k sharing)",
+        )
     with pytest.raises(ValueError, match="dsa_indexer_topk_freq = 2"):
         ModelShape.from_megatron(_dsa_config(dsa_indexer_topk_freq=2), vocab_size=128)
 

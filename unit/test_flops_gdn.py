@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting import ModelShape, SeqlenStats, training_flops
+from megatron_testkit import skips
 from unit.strategies import doc_lengths, pack_stats
 
 pytestmark = pytest.mark.L0
@@ -161,7 +162,7 @@ def test_invalid_linear_attention_shapes_name_the_field(overrides, field):
 
 
 def test_from_megatron_reads_gated_delta_net_from_a_real_transformer_config():
-    pytest.importorskip("megatron.core")
+    skips.require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(

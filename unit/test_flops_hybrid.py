@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from accounting import ModelShape, SeqlenStats, training_flops
 from fixtures.oracles import causal_pairs
+from megatron_testkit import skips
 from unit.strategies import doc_lengths, pack_stats
 
 pytestmark = pytest.mark.L0
@@ -148,7 +149,7 @@ def test_nemotron_h_8b_preset_counts_the_published_8b_parameters():
 
 
 def test_from_megatron_reads_a_real_hybrid_config_with_its_pattern():
-    pytest.importorskip("megatron.core")
+    skips.require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     config = TransformerConfig(
@@ -277,14 +278,15 @@ def test_mla_and_dsa_hybrid_flops_of_a_pack_equal_the_sum_of_its_documents_alone
 
 
 def test_from_megatron_reads_a_real_mla_hybrid_config_with_plus_and_d_layers():
-    pytest.importorskip("megatron.core")
+    skips.require_megatron()
     try:
         from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
     except ImportError:  # megatron-core 0.16.1: megatron/core/ssm/mamba_hybrid_layer_allocation.py
         from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols
     if not hasattr(Symbols, "MLA") or not hasattr(Symbols, "DS_ATTENTION"):
-        pytest.skip(
-            "this megatron-core release has no '+' (MLA) or 'D' (DSA) hybrid symbols (0.16.1 has M * - E)"
+        skips.skip(
+            "megatron>=0.19",
+            "this megatron-core release has no '+' (MLA) or 'D' (DSA) hybrid symbols (0.16.1 has M * - E)",
         )
     assert (Symbols.MLA, Symbols.DS_ATTENTION) == ("+", "D")
     from megatron.core.transformer.transformer_config import MLATransformerConfig

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting import LoraAdapter, ModelShape, SeqlenStats, training_flops
+from megatron_testkit import skips
 from unit.strategies import doc_lengths, pack_stats
 
 pytestmark = pytest.mark.L0
@@ -233,7 +234,7 @@ def test_invalid_adapters_name_the_field(kwargs, message):
 
 
 def _mla_config(**overrides):
-    pytest.importorskip("megatron.core")
+    skips.require_megatron()
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     base = {

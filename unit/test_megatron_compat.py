@@ -26,10 +26,11 @@ import torch
 from fixtures import megatron as repo_megatron
 from megatron_testkit import megatron_compat as mc
 from megatron_testkit import megatron_cpu as mcpu
+from megatron_testkit import skips
 
 pytestmark = [
     pytest.mark.L0,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is a no-op where CUDA exists"),
+    skips.skip_if(torch.cuda.is_available(), "no-cuda", "the shim is a no-op where CUDA exists"),
 ]
 
 

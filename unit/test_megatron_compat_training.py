@@ -28,11 +28,12 @@ from fixtures.training import (
     checkpoint_dir,
     in_process_write_queue,
 )
+from megatron_testkit import skips
 from megatron_testkit.megatron_cpu import cpu_shim, destroy_model_parallel
 
 pytestmark = [
     pytest.mark.L0,
-    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness checks (the GPU path is functional)"),
+    skips.skip_if(torch.cuda.is_available(), "no-cuda", "CPU harness checks (the GPU path is functional)"),
 ]
 
 

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given
 
 from accounting import memory_report, reduce_max_memory
+from megatron_testkit import skips
 from unit.strategies import memory_report_keys, memory_reports
 
 pytestmark = pytest.mark.L0
@@ -31,13 +32,15 @@ def test_cpu_report_gives_current_and_peak_rss_as_ints():
 
 def test_default_device_without_cuda_is_the_host():
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the default report is the allocator's (see the gpu test)")
+        skips.skip(
+            "no-cuda", "this machine has CUDA: the default report is the allocator's (see the gpu test)"
+        )
     assert set(memory_report()) == {"rss_bytes", "peak_rss_bytes"}
 
 
 def test_asking_for_cuda_without_cuda_is_refused_not_answered_with_zeros():
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA (see the gpu test)")
+        skips.skip("no-cuda", "this machine has CUDA (see the gpu test)")
     with pytest.raises(ValueError, match=r"memory_report\(device='cuda'\): CUDA is not available"):
         memory_report("cuda")
 
@@ -79,7 +82,7 @@ print(json.dumps(out))
 @pytest.mark.gpu
 def test_on_cuda_the_report_follows_the_first_allocation_and_never_initialises_cuda_itself():
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA (the CPU variant simulates the uninitialised state)")
+        skips.skip("cuda", "the CPU variant simulates the uninitialised state")
     run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -92,7 +95,7 @@ def test_on_cuda_the_report_follows_the_first_allocation_and_never_initialises_c
 @pytest.mark.gpu
 def test_cuda_report_reads_the_caching_allocator():
     if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+        skips.skip("cuda", "reads the CUDA caching allocator")
     x = torch.empty(8 * 2**20, dtype=torch.uint8, device="cuda")
     report = memory_report("cuda")
     assert (

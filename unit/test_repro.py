@@ -28,6 +28,7 @@ from ci.verdicts import (
     load_report,
     verdict,
 )
+from megatron_testkit import skips
 
 pytestmark = pytest.mark.L0
 
@@ -347,7 +348,7 @@ def test_the_whole_run_limit_kills_a_run_that_exceeds_it() -> None:
     limit = apply_memory_limit(200 * MiB)
     if limit.cgroup is None:
         limit.close()
-        pytest.skip(f"no writable cgroup on this machine: {limit.describe()}")
+        skips.skip("cgroup", f"no writable cgroup on this machine: {limit.describe()}")
     hog = [sys.executable, "-c", "b = bytearray(600 * 2**20); b[::4096] = b'x' * len(b[::4096])"]
     try:
         small = subprocess.run(
@@ -545,7 +546,7 @@ def test_cgroup_limit_caps_only_the_ranks_names_the_oom_kill_and_leaves_nothing(
     limit = apply_memory_limit(300 * MiB)
     if limit.cgroup is None:
         limit.close()
-        pytest.skip(f"no writable cgroup on this machine (the env variant runs): {limit.describe()}")
+        skips.skip("cgroup", f"no writable cgroup on this machine (the env variant runs): {limit.describe()}")
     group = limit.cgroup
     try:
         result, kills, adopted = _run_parent(limit, 600)
@@ -565,7 +566,7 @@ def test_closing_the_limit_kills_a_rank_that_outlived_the_run_then_removes_the_g
     limit = apply_memory_limit(300 * MiB)
     if limit.cgroup is None:
         limit.close()
-        pytest.skip(f"no writable cgroup on this machine: {limit.describe()}")
+        skips.skip("cgroup", f"no writable cgroup on this machine: {limit.describe()}")
     group = limit.cgroup
     straggler = subprocess.Popen(limit.wrap([sys.executable, "-c", "import time; time.sleep(60)"]))
     deadline = time.monotonic() + 10

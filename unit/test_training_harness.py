@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from fixtures.oracles import max_over_ranks, megatron_lm_step_flops, reference_stats
 from fixtures.training import DenseBatch, ModelConfig, ParallelConfig, TrainConfig
+from megatron_testkit import skips
 
 pytestmark = [pytest.mark.L0]
 
@@ -150,7 +151,7 @@ def one_rank_group(tmp_path: Path) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU harness check (the GPU path is functional)")
+@skips.skip_if(torch.cuda.is_available(), "no-cuda", "CPU harness check (the GPU path is functional)")
 def test_step_leaves_logging_to_log_which_reduces_over_the_configured_group(
     one_rank_group: None, tmp_path: Path
 ) -> None:

@@ -389,7 +389,29 @@ def test_cpu_rows_use_gloo_python_312_and_the_runners_memory() -> None:
         assert env["CUDA_VISIBLE_DEVICES"] == ""
         assert env["KIT_HOST_MEMORY"] == row.host_memory == "7GB"
         assert "KIT_REQUIRE_GPUS" not in env
-        assert row.select == row.tier
+        if row.megatron_core == MEGATRON_NEWEST or row.tier == "L0":
+            assert row.select == row.tier
+        else:  # an older release also runs the L0 tests that import or branch on megatron-core
+            assert row.select == f"L0 or {row.tier}"
+
+
+def test_every_row_declares_what_its_machine_lacks_and_nothing_it_has() -> None:
+    from megatron_testkit.skips import CAPABILITIES, allowed_skips
+
+    for row in JOBS.values():
+        env = row.environment(Path("reports"))
+        declared = allowed_skips(env)  # a typo would raise here
+        assert declared is not None, f"{row.name} declares no KIT_ALLOWED_SKIPS"
+        assert declared <= CAPABILITIES.keys() | {f"megatron>={MEGATRON_NEWEST[:4]}"}
+        if row.gpus:
+            # NGC's container ships CUDA, the GPUs, Transformer Engine and nvdlfw-inspect.
+            assert not declared & {"cuda", "gpus", "te", "nvdlfw", "megatron"}, row.name
+        else:
+            assert {"cuda", "gpus", "te"} <= declared, row.name
+            # Installed on every CPU row (the `inspect` and `charts` extras, megatron-core).
+            assert not declared & {"nvdlfw", "matplotlib", "megatron", "no-cuda"}, row.name
+        if row.megatron_core != MEGATRON_NEWEST:
+            assert f"megatron>={MEGATRON_NEWEST[:4]}" in declared, row.name
 
 
 def test_one_row_per_megatron_core_release_newest_in_l0_oldest_in_l1() -> None:
@@ -435,8 +457,10 @@ def test_the_job_command_prints_what_it_runs() -> None:
     assert result.stdout.rstrip().endswith("bash ci/test.sh L0 -p no:randomly --durations=20")
     old = _ci("job", "L1-cpu-mcore-0.16.1", "--dry-run")
     assert "KIT_MEGATRON_CORE=0.16.1" in old.stdout and old.stdout.rstrip().endswith(
-        "bash ci/test.sh L1 -p no:randomly --durations=20"
+        "bash ci/test.sh L1 -m 'L0 or L1' -p no:randomly --durations=20"
     )
+    assert "KIT_ALLOWED_SKIPS=cuda,gpus,te,cgroup " in result.stdout
+    assert "KIT_ALLOWED_SKIPS=cuda,gpus,te,cgroup,megatron>=0.19 " in old.stdout.replace("'", "")
     gpu = _ci("job", "L0-gpu", "--dry-run")
     assert "KIT_REQUIRE_GPUS=2" in gpu.stdout and gpu.stdout.rstrip().endswith(
         "-m 'L0 and gpu' -p no:randomly --durations=20"
