@@ -10,11 +10,7 @@ from hypothesis import HealthCheck, settings
 
 pytest_plugins = ["megatron_testkit.plugin"]
 
-# ---- fixtures exposed to this repo's tests (one import line each; keep this section) ----
-# The kit's CPU layer for megatron-core, as a fixture (a user's conftest.py can do the same).
-from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: E402, F401  (scoped to the test)
-
-# ---- end of exposed fixtures ----
+# The kit's fixtures (the megatron-core CPU layer's `use_cpu_shim` among them) come with its plugin.
 
 # `ci`: derandomised and bounded, so a red CI run replays identically; `dev`: more examples.
 settings.register_profile(

@@ -22,7 +22,7 @@ computes in bf16 are then compared within a tolerance derived from bf16's roundi
 
 The off-step cost is measured, not asserted: each rank then trains 20 more steps alternating
 plain steps and the inspector's non-inspection steps, and the test prints both medians against
-the stated bound (`OFF_STEP_TARGET`). `ci/bench_inspect.py` gives steadier figures.
+the stated bound (`OFF_STEP_TARGET`). `python -m ci bench -k inspect` gives steadier figures.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ DEVICE_MEMORY_ENV = "KIT_DEVICE_MEMORY"
 REQUIRE_GPUS_ENV = "KIT_REQUIRE_GPUS"
 CUDA_HOST_ALLOWANCE_ENV = "KIT_CUDA_HOST_ALLOWANCE"
 # Host RSS a CUDA rank carries beyond what the same test measures on CPU: the upper end of the
-# 2-4 GiB estimated for a CUDA + TE rank. `ci/gpu_check.py` prints the
+# 2-4 GiB estimated for a CUDA + TE rank. `python -m ci gpu-check` prints the
 # measured RSS of a CUDA rank so the figure can be replaced by a measurement; the environment
 # variable overrides it per job.
 CUDA_HOST_ALLOWANCE = 4 * 1024**3

@@ -41,6 +41,7 @@ import pytest
 
 from megatron_testkit import attribution, skips
 from megatron_testkit.budgets import MemoryBudget
+from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
 from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
 from megatron_testkit.schema import Session
 
