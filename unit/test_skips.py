@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -204,3 +207,39 @@ def test_no_test_module_skips_without_declaring_a_capability() -> None:
         for path in sorted((ROOT / folder).rglob("*.py")):
             found += bare_skips(path.read_text(), str(path.relative_to(ROOT)))
     assert found == [], "use megatron_testkit.skips (skip, skip_if, importorskip, require_megatron)"
+
+
+# ---- the point of it all: a missing megatron-core turns L0 red, naming the capability ----------
+BLOCK_MEGATRON = """
+import sys
+
+sys.modules["megatron"] = None  # `import megatron...` now raises ModuleNotFoundError, as when absent
+"""
+
+
+def _flops_tests_without_megatron(tmp_path: Path, allowed: str | None) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "kit_block_megatron.py").write_text(BLOCK_MEGATRON)
+    env = {k: v for k, v in os.environ.items() if k != skips.ALLOWED_SKIPS_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")])
+    if allowed is not None:
+        env[skips.ALLOWED_SKIPS_ENV] = allowed
+    args = ["-m", "pytest", "-p", "kit_block_megatron", "-p", "no:cacheprovider", "-q", "-rs"]
+    test = "unit/test_flops.py::test_from_megatron_reads_a_real_transformer_config"
+    return subprocess.run(
+        [sys.executable, *args, test], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_with_megatron_core_missing_the_cpu_rows_set_fails_and_names_it(tmp_path: Path) -> None:
+    from ci.jobs import CPU_ALLOWED_SKIPS
+
+    declared = _flops_tests_without_megatron(tmp_path, ",".join(CPU_ALLOWED_SKIPS))
+    assert declared.returncode == 1, declared.stdout + declared.stderr
+    assert "skipped for 'megatron', which this job has" in declared.stdout
+    # Control: the same run unchecked only skips (what every job did before skips were declared).
+    unchecked = _flops_tests_without_megatron(tmp_path, None)
+    assert unchecked.returncode == 0, unchecked.stdout + unchecked.stderr
+    assert (
+        "1 skipped" in unchecked.stdout
+        and "needs megatron: megatron.core is not installed" in unchecked.stdout
+    )
