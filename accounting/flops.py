@@ -770,6 +770,14 @@ def _check_call(shape: ModelShape, window: tuple[int, int] | None, recompute: st
         )
 
 
+def _recomputed(name: str, recompute: str | None) -> int:
+    """1 if activation recomputation runs term `name`'s forward again, else 0: "full" repeats every
+    transformer layer term (all but logits), "selective" core attention only."""
+    if recompute == "full":
+        return int(name != "logits")
+    return int(recompute == "selective" and name == "core_attention")
+
+
 def flops_from_sums(
     shape: ModelShape,
     sums: dict[str, int],
@@ -806,13 +814,7 @@ def flops_from_sums(
         raise ValueError("frozen_base with DeepSeek sparse attention layers is not modelled")
     factor = _factors(shape, frozen_base)
     terms = {name: factor[name] * value for name, value in model_fwd.items()}
-    hardware_terms = {name: factor[name] * value for name, value in hw_fwd.items()}
-    if recompute == "full":
-        for name in TERMS:
-            if name != "logits":
-                hardware_terms[name] += hw_fwd[name]
-    elif recompute == "selective":
-        hardware_terms["core_attention"] += hw_fwd["core_attention"]
+    hardware_terms = {name: (factor[name] + _recomputed(name, recompute)) * hw_fwd[name] for name in TERMS}
     return FlopsBreakdown(
         total=sum(terms.values()),
         hardware_total=sum(hardware_terms.values()),
