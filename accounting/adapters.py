@@ -4,19 +4,48 @@ A LoRA adapter on a linear layer `d_in -> d_out` adds `x A B` with `A: d_in x r`
 `r * (d_in + d_out)` multiply-adds per token (Hu et al. 2021, "LoRA", §4.1). The targets are named
 as megatron-core's linear layers (Megatron-Bridge's PEFT LoRA uses the same names): `linear_qkv`,
 `linear_proj` on every attention layer, `linear_fc1`, `linear_fc2` on every dense-MLP layer.
+
+This module imports nothing from the rest of `accounting`: `accounting.flops` uses it, and it reads
+the model through `AdapterBase`, the fields of `ModelShape` it needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from accounting.flops import ModelShape
-
-__all__ = ["LORA_TARGETS", "LoraAdapter", "adapter_macs_per_token"]
+__all__ = ["LORA_TARGETS", "AdapterBase", "LoraAdapter", "adapter_macs_per_token"]
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class AdapterBase(Protocol):
+    """The frozen model an adapter sits on: the `accounting.flops.ModelShape` fields it reads."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def mtp_num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_query_groups(self) -> int: ...
+    @property
+    def kv_channels(self) -> int: ...
+    @property
+    def ffn_hidden_size(self) -> int: ...
+    @property
+    def gated_linear_unit(self) -> bool: ...
+    @property
+    def attention_output_gate(self) -> bool: ...
+    @property
+    def multi_latent_attention(self) -> bool: ...
+    @property
+    def hybrid_pattern(self) -> str | None: ...
+    @property
+    def moe_layer_pattern(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +65,7 @@ class LoraAdapter:
             raise ValueError(f"targets = {list(targets)!r}: expected distinct names among {LORA_TARGETS}")
 
 
-def adapter_macs_per_token(shape: ModelShape, adapter: LoraAdapter) -> int:
+def adapter_macs_per_token(shape: AdapterBase, adapter: LoraAdapter) -> int:
     """Forward multiply-adds per token of `adapter` over all layers of `shape` (MTP layers included)."""
     if shape.multi_latent_attention and {"linear_qkv", "linear_proj"} & set(adapter.targets):
         raise ValueError(

@@ -470,85 +470,163 @@ class FlopsBreakdown:
     recompute: str | None = None
 
 
-def _per_token_forward(shape: ModelShape) -> dict[str, int]:
-    """Forward FLOPs per token of every term that is linear in the token count."""
+@dataclass(frozen=True)
+class _Layers:
+    """How many layers of each kind one token passes through, MTP depths included."""
+
+    attention: int  # softmax attention (standard, MLA or DSA): attention or MLA projections
+    dense: int  # dense-MLP layers
+    moe: int  # MoE layers
+    mamba: int  # Mamba-2 mixers (hybrid patterns)
+    gdn: int  # gated DeltaNet mixers
+    dsa: int  # DeepSeek sparse attention layers (their indexers)
+    mtp: int  # MTP depths
+
+
+def _layers(shape: ModelShape) -> _Layers:
+    """The layer counts of `shape`: from its hybrid pattern, or from its per-layer frequencies."""
+    mtp, linear, dsa = shape.mtp_num_layers, shape.linear_layers, shape.dsa_layers
+    if shape.hybrid_pattern is not None:
+        counts = parse_hybrid_pattern(shape.hybrid_pattern).counts
+        attention = counts["attention"] + counts["mla"] + counts["dsa"]
+        return _Layers(attention, counts["mlp"], counts["moe"], counts["mamba"], linear, dsa, mtp)
+    pattern = shape.moe_layer_pattern
+    moe = sum(pattern)
+    dense = shape.num_layers - moe
+    # MTP layers repeat the last decoder layer's kind (Megatron-LM's convention).
+    if pattern[-1]:
+        moe += mtp
+    else:
+        dense += mtp
+    # Without a pattern every non-linear layer is attention (all DSA ones when DSA is on).
+    return _Layers(shape.num_layers + mtp - linear, dense, moe, 0, linear, dsa, mtp)
+
+
+def _attention_projections(shape: ModelShape, layers: _Layers) -> int:
+    """QKV (plus the output gate) and output projections of standard attention layers."""
+    if shape.multi_latent_attention:
+        return 0
     h = shape.hidden_size
     q = shape.kv_channels * shape.num_attention_heads
     kv = shape.kv_channels * shape.num_query_groups
     gate = q if shape.attention_output_gate else 0
-    glu = 3 if shape.gated_linear_unit else 2
-    pattern = shape.moe_layer_pattern
-    moe_layers = sum(pattern)
-    dense_layers = shape.num_layers - moe_layers
-    mtp = shape.mtp_num_layers
-    # MTP layers repeat the last decoder layer's kind (Megatron-LM's convention).
-    if pattern[-1]:
-        moe_layers += mtp
-    else:
-        dense_layers += mtp
-    attention_layers = shape.num_layers + mtp
-    linear = shape.linear_layers
-    attention_layers -= 0 if shape.hybrid_pattern is not None else linear
-    dsa = shape.dsa_layers
-    gdn = gdn_scan = 0
-    if linear:
-        weights, per_scan = gdn_forward_flops_per_token(
-            h,
-            shape.linear_key_head_dim,
-            shape.linear_value_head_dim,
-            shape.linear_num_key_heads,
-            shape.linear_num_value_heads,
-            shape.linear_conv_kernel_dim,
-        )
-        gdn, gdn_scan = linear * weights, linear * per_scan
-    mamba = scan = 0
-    if shape.hybrid_pattern is not None:
-        counts = parse_hybrid_pattern(shape.hybrid_pattern).counts
-        attention_layers, dense_layers, moe_layers = counts["attention"], counts["mlp"], counts["moe"]
-        attention_layers += counts["mla"]  # MLA layers: projections below; DSA layers counted apart
-        if counts["mamba"]:
-            weights, per_scan = mamba_forward_flops_per_token(
-                h, shape.mamba_num_heads, shape.mamba_head_dim, shape.mamba_num_groups, shape.mamba_state_dim
-            )
-            mamba, scan = counts["mamba"] * weights, counts["mamba"] * per_scan
+    return 2 * layers.attention * (h * (q + 2 * kv + gate) + q * h)
 
+
+def _mla_projections(shape: ModelShape, layers: _Layers) -> int:
+    """Multi-latent attention's projections, on MLA and DSA layers alike."""
+    if not shape.multi_latent_attention:
+        return 0
+    return 2 * layers.attention * _mla_projection_macs(shape)
+
+
+def _dsa_indexer(shape: ModelShape, layers: _Layers) -> int:
+    """The DSA indexer's projections."""
+    if not layers.dsa:
+        return 0
+    heads, head_dim = shape.dsa_indexer_n_heads, shape.dsa_indexer_head_dim
+    return 2 * layers.dsa * indexer_projection_macs(shape.hidden_size, shape.q_lora_rank, heads, head_dim)
+
+
+def _mamba_mixer(shape: ModelShape) -> tuple[int, int]:
+    """One Mamba-2 mixer's (weights, scan) forward FLOPs per token."""
+    return mamba_forward_flops_per_token(
+        shape.hidden_size,
+        shape.mamba_num_heads,
+        shape.mamba_head_dim,
+        shape.mamba_num_groups,
+        shape.mamba_state_dim,
+    )
+
+
+def _mamba(shape: ModelShape, layers: _Layers) -> int:
+    """Mamba-2 mixers' projections and conv."""
+    return layers.mamba * _mamba_mixer(shape)[0] if layers.mamba else 0
+
+
+def _mamba_scan(shape: ModelShape, layers: _Layers) -> int:
+    """Mamba-2 mixers' selective scan."""
+    return layers.mamba * _mamba_mixer(shape)[1] if layers.mamba else 0
+
+
+def _gdn_mixer(shape: ModelShape) -> tuple[int, int]:
+    """One gated-DeltaNet mixer's (weights, recurrence) forward FLOPs per token."""
+    return gdn_forward_flops_per_token(
+        shape.hidden_size,
+        shape.linear_key_head_dim,
+        shape.linear_value_head_dim,
+        shape.linear_num_key_heads,
+        shape.linear_num_value_heads,
+        shape.linear_conv_kernel_dim,
+    )
+
+
+def _gdn(shape: ModelShape, layers: _Layers) -> int:
+    """Gated-DeltaNet mixers' projections and conv."""
+    return layers.gdn * _gdn_mixer(shape)[0] if layers.gdn else 0
+
+
+def _gdn_scan(shape: ModelShape, layers: _Layers) -> int:
+    """Gated-DeltaNet mixers' recurrence."""
+    return layers.gdn * _gdn_mixer(shape)[1] if layers.gdn else 0
+
+
+def _glu(shape: ModelShape) -> int:
+    """GEMMs per MLP (up, gate if gated, down): 3 with a gated linear unit, else 2."""
+    return 3 if shape.gated_linear_unit else 2
+
+
+def _mlp(shape: ModelShape, layers: _Layers) -> int:
+    """Dense MLPs."""
+    return 2 * layers.dense * shape.hidden_size * shape.ffn_hidden_size * _glu(shape)
+
+
+def _moe(shape: ModelShape, layers: _Layers) -> int:
+    """MoE layers' routed experts (top-k per token) and shared experts."""
     if shape.num_moe_experts is None:
-        moe = 0
-    else:
-        topk, moe_ffn = shape.moe_router_topk, shape.moe_ffn_hidden_size
-        shared = shape.moe_shared_expert_intermediate_size or 0
-        if shape.moe_latent_size is None:
-            routed = h * moe_ffn * topk * glu
-        else:  # experts run in the latent space, plus the down and up projections to it
-            routed = shape.moe_latent_size * moe_ffn * topk * glu + 2 * h * shape.moe_latent_size
-        moe = 2 * moe_layers * (routed + h * shared * glu)
-    attention = 2 * attention_layers * (h * (q + 2 * kv + gate) + q * h)
-    mla = indexer = 0
-    if shape.multi_latent_attention:
-        # Non-hybrid DSA: attention_layers already counts every layer, all of them DSA.
-        latent = attention_layers + (dsa if shape.hybrid_pattern is not None else 0)
-        attention, mla = 0, 2 * latent * _mla_projection_macs(shape)
-    if dsa:
-        indexer = (
-            2
-            * dsa
-            * indexer_projection_macs(
-                h, shape.q_lora_rank, shape.dsa_indexer_n_heads, shape.dsa_indexer_head_dim
-            )
-        )
-    return {
-        "attention_projections": attention,
-        "mla_projections": mla,
-        "dsa_indexer": indexer,
-        "mamba": mamba,
-        "mamba_scan": scan,
-        "gdn": gdn,
-        "gdn_scan": gdn_scan,
-        "mlp": 2 * dense_layers * h * shape.ffn_hidden_size * glu,
-        "moe": moe,
-        "mtp": 2 * mtp * (3 * h + 2 * h * h),
-        "logits": 2 * h * shape.vocab_size * (mtp + 1),
-    }
+        return 0
+    h, glu = shape.hidden_size, _glu(shape)
+    topk, moe_ffn = shape.moe_router_topk, shape.moe_ffn_hidden_size
+    shared = shape.moe_shared_expert_intermediate_size or 0
+    if shape.moe_latent_size is None:
+        routed = h * moe_ffn * topk * glu
+    else:  # experts run in the latent space, plus the down and up projections to it
+        routed = shape.moe_latent_size * moe_ffn * topk * glu + 2 * h * shape.moe_latent_size
+    return 2 * layers.moe * (routed + h * shared * glu)
+
+
+def _mtp(shape: ModelShape, layers: _Layers) -> int:
+    """MTP depths' three norms and eh projection (their attention and MLP are counted above)."""
+    h = shape.hidden_size
+    return 2 * layers.mtp * (3 * h + 2 * h * h)
+
+
+def _logits(shape: ModelShape, layers: _Layers) -> int:
+    """The output layer, once for the main decoder and once per MTP depth."""
+    return 2 * shape.hidden_size * shape.vocab_size * (layers.mtp + 1)
+
+
+# The terms linear in the token count: name -> forward FLOPs per token. A new such term is a
+# function here and a row in this table (and its name in TERMS).
+_PER_TOKEN_TERMS = {
+    "attention_projections": _attention_projections,
+    "mla_projections": _mla_projections,
+    "dsa_indexer": _dsa_indexer,
+    "mamba": _mamba,
+    "mamba_scan": _mamba_scan,
+    "gdn": _gdn,
+    "gdn_scan": _gdn_scan,
+    "mlp": _mlp,
+    "moe": _moe,
+    "mtp": _mtp,
+    "logits": _logits,
+}
+
+
+def _per_token_forward(shape: ModelShape) -> dict[str, int]:
+    """Forward FLOPs per token of every term that is linear in the token count."""
+    layers = _layers(shape)
+    return {name: term(shape, layers) for name, term in _PER_TOKEN_TERMS.items()}
 
 
 def _mla_projection_macs(shape: ModelShape) -> int:
@@ -692,6 +770,14 @@ def _check_call(shape: ModelShape, window: tuple[int, int] | None, recompute: st
         )
 
 
+def _recomputed(name: str, recompute: str | None) -> int:
+    """1 if activation recomputation runs term `name`'s forward again, else 0: "full" repeats every
+    transformer layer term (all but logits), "selective" core attention only."""
+    if recompute == "full":
+        return int(name != "logits")
+    return int(recompute == "selective" and name == "core_attention")
+
+
 def flops_from_sums(
     shape: ModelShape,
     sums: dict[str, int],
@@ -728,13 +814,7 @@ def flops_from_sums(
         raise ValueError("frozen_base with DeepSeek sparse attention layers is not modelled")
     factor = _factors(shape, frozen_base)
     terms = {name: factor[name] * value for name, value in model_fwd.items()}
-    hardware_terms = {name: factor[name] * value for name, value in hw_fwd.items()}
-    if recompute == "full":
-        for name in TERMS:
-            if name != "logits":
-                hardware_terms[name] += hw_fwd[name]
-    elif recompute == "selective":
-        hardware_terms["core_attention"] += hw_fwd["core_attention"]
+    hardware_terms = {name: (factor[name] + _recomputed(name, recompute)) * hw_fwd[name] for name in TERMS}
     return FlopsBreakdown(
         total=sum(terms.values()),
         hardware_total=sum(hardware_terms.values()),

@@ -187,7 +187,21 @@ def shape_kwargs(config: Any, hybrid_pattern: str | None = None) -> dict[str, An
         raise ValueError(
             "is_hybrid_model = True: pass hybrid_pattern= (megatron's layer pattern, e.g. 'M-M*-') to count its layers"
         )
-    kwargs: dict[str, Any] = {
+    variant = getattr(config, "experimental_attention_variant", None)
+    _check_dsa_release(config, variant)
+    kwargs = _dense_kwargs(config)
+    kwargs.update(_dsa_kwargs(config, variant, hybrid_pattern))
+    kwargs.update(_variant_kwargs(config, variant, hybrid_pattern))
+    kwargs.update(_gdn_kwargs(config, variant, hybrid_pattern))
+    if hybrid_pattern is not None:
+        kwargs.update(_hybrid_kwargs(config, hybrid_pattern, kwargs["mtp_num_layers"]))
+    kwargs.update(_attention_kwargs(config))
+    return kwargs
+
+
+def _dense_kwargs(config: Any) -> dict[str, Any]:
+    """The fields every decoder has: sizes, MLP, MoE, MTP depth, sliding window, output gate."""
+    return {
         "num_layers": config.num_layers,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,
@@ -204,7 +218,10 @@ def shape_kwargs(config: Any, hybrid_pattern: str | None = None) -> dict[str, An
         "window_attn_skip_freq": _tuple_or(getattr(config, "window_attn_skip_freq", None)),
         "attention_output_gate": bool(getattr(config, "attention_output_gate", False)),
     }
-    variant = getattr(config, "experimental_attention_variant", None)
+
+
+def _check_dsa_release(config: Any, variant: Any) -> None:
+    """Refuses DSA from a release older than the one whose DSA the kit counts."""
     if variant == "dsa" and not hasattr(config, "dsa_indexer_topk_freq"):
         # Before 0.19 (e.g. 0.16.1) megatron's DSA ran un-absorbed MLA with a grad-tracked indexer
         # and one causal mask over the whole pack (no per-document THD mask): another count.
@@ -213,44 +230,63 @@ def shape_kwargs(config: Any, hybrid_pattern: str | None = None) -> dict[str, An
             "dsa_indexer_topk_freq (older than 0.19): its DSA (un-absorbed MLA, no per-document mask) "
             "is not modelled; the kit counts megatron-core 0.19's"
         )
-    if variant == "dsa" or (hybrid_pattern is not None and "D" in hybrid_pattern):
-        for name in (
-            "dsa_indexer_n_heads",
-            "dsa_indexer_head_dim",
-            "dsa_indexer_topk",
-            "dsa_indexer_loss_coeff",
-        ):
-            kwargs[name] = getattr(config, name, None)
-        kwargs["dsa_indexer_use_sparse_loss"] = bool(getattr(config, "dsa_indexer_use_sparse_loss", False))
-    gdn_layers = hybrid_pattern is not None and "G" in hybrid_pattern
-    if variant not in (None, "", "none"):
-        kwargs["experimental_attention_variant"] = variant
-    elif gdn_layers:
-        kwargs["experimental_attention_variant"] = "gdn"
-    if variant != "dsa" and "experimental_attention_variant" in kwargs:
-        kwargs["linear_attention_freq"] = _tuple_or(getattr(config, "linear_attention_freq", None))
-    if variant in ("gated_delta_net", "gdn") or gdn_layers:
-        for name in (
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_num_key_heads",
-            "linear_num_value_heads",
-            "linear_conv_kernel_dim",
-        ):
-            if getattr(config, name, None) is not None:
-                kwargs[name] = getattr(config, name)
-    if hybrid_pattern is not None:
-        kwargs["hybrid_pattern"] = hybrid_pattern
-        for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"):
-            if hasattr(config, name):
-                kwargs[name] = getattr(config, name)
-        if kwargs["mtp_num_layers"] is not None and "/" in hybrid_pattern:
-            kwargs["mtp_num_layers"] = None  # the pattern's depths decide
-    if getattr(config, "multi_latent_attention", False):
-        kwargs["multi_latent_attention"] = True
-        for name in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
-            kwargs[name] = getattr(config, name, None)
-    else:
-        kwargs["num_query_groups"] = getattr(config, "num_query_groups", None)
-        kwargs["kv_channels"] = getattr(config, "kv_channels", None)
+
+
+def _dsa_kwargs(config: Any, variant: Any, hybrid_pattern: str | None) -> dict[str, Any]:
+    """The DSA indexer's fields, when every layer or a hybrid pattern's `D` layers are DSA."""
+    if not (variant == "dsa" or (hybrid_pattern is not None and "D" in hybrid_pattern)):
+        return {}
+    names = ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_loss_coeff")
+    kwargs = {name: getattr(config, name, None) for name in names}
+    kwargs["dsa_indexer_use_sparse_loss"] = bool(getattr(config, "dsa_indexer_use_sparse_loss", False))
     return kwargs
+
+
+def _variant_kwargs(config: Any, variant: Any, hybrid_pattern: str | None) -> dict[str, Any]:
+    """`experimental_attention_variant` (a hybrid pattern's `G` layers imply gated DeltaNet) and,
+    for gated DeltaNet, which layers are linear."""
+    if variant not in (None, "", "none"):
+        kwargs = {"experimental_attention_variant": variant}
+    elif hybrid_pattern is not None and "G" in hybrid_pattern:
+        kwargs = {"experimental_attention_variant": "gdn"}
+    else:
+        return {}
+    if variant != "dsa":
+        kwargs["linear_attention_freq"] = _tuple_or(getattr(config, "linear_attention_freq", None))
+    return kwargs
+
+
+def _gdn_kwargs(config: Any, variant: Any, hybrid_pattern: str | None) -> dict[str, Any]:
+    """Gated DeltaNet's head and conv sizes that the config sets (the rest keep ModelShape's defaults)."""
+    if not (variant in ("gated_delta_net", "gdn") or (hybrid_pattern is not None and "G" in hybrid_pattern)):
+        return {}
+    names = (
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_conv_kernel_dim",
+    )
+    return {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
+
+
+def _hybrid_kwargs(config: Any, hybrid_pattern: str, mtp_num_layers: Any) -> dict[str, Any]:
+    """The pattern, the Mamba mixer's sizes the config has, and the MTP depth the pattern decides."""
+    kwargs: dict[str, Any] = {"hybrid_pattern": hybrid_pattern}
+    for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"):
+        if hasattr(config, name):
+            kwargs[name] = getattr(config, name)
+    if mtp_num_layers is not None and "/" in hybrid_pattern:
+        kwargs["mtp_num_layers"] = None  # the pattern's depths decide
+    return kwargs
+
+
+def _attention_kwargs(config: Any) -> dict[str, Any]:
+    """Multi-latent attention's ranks and head dims, or grouped-query attention's groups and channels."""
+    if getattr(config, "multi_latent_attention", False):
+        names = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        return {"multi_latent_attention": True, **{name: getattr(config, name, None) for name in names}}
+    return {
+        "num_query_groups": getattr(config, "num_query_groups", None),
+        "kv_channels": getattr(config, "kv_channels", None),
+    }
