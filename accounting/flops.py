@@ -8,6 +8,12 @@ A sliding window removes, per document, exactly the pairs outside it (see `accou
 DeepSeek sparse attention's top-k cap is counted the same way, as a left window of k - 1 keys (see
 `accounting.sparse_attention` and `ModelShape.stats_window`).
 
+Only matrix multiplies and the sequence mixers' convolutions and scans are counted: norms,
+activations, softmax, RoPE and residual adds are not, with one exception kept to match
+Megatron-LM: the `mtp` term counts 3h per token for each MTP depth's three norms. The MoE router's
+GEMM (hidden x experts per MoE layer and token) is its own term, `moe_router`; Megatron-LM and
+Megatron-Bridge do not count it, nor Mamba-2's depthwise conv1d (counted here in `mamba`).
+
 Model FLOPs (`total`, the MFU numerator) use real tokens and real lengths. Hardware FLOPs
 (`hardware_total`) use the padded tokens and padded lengths the kernels execute, plus the forward
 pass that activation recomputation repeats.
@@ -34,7 +40,8 @@ from accounting.sparse_attention import (
 __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training_flops"]
 
 # Term names of `FlopsBreakdown.terms`. The MTP layers' own attention and MLP are counted in the
-# attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection.
+# attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection;
+# `moe_router` the router's GEMM (hidden x experts) of every MoE layer, MTP ones included.
 # `mla_projections` holds multi-latent attention's down/up projections (its core attention is in
 # `core_attention`); `mamba` the Mamba-2 mixers' projections and conv, `mamba_scan` their scan
 # (hybrid patterns); `gdn` / `gdn_scan` the same for gated DeltaNet layers; `adapter` the trainable adapter's GEMMs (only when an adapter is given).
@@ -55,6 +62,7 @@ TERMS = (
     "gdn_scan",
     "mlp",
     "moe",
+    "moe_router",
     "mtp",
     "logits",
     "adapter",
@@ -522,6 +530,7 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
         else:  # experts run in the latent space, plus the down and up projections to it
             routed = shape.moe_latent_size * moe_ffn * topk * glu + 2 * h * shape.moe_latent_size
         moe = 2 * moe_layers * (routed + h * shared * glu)
+    router = 0 if shape.num_moe_experts is None else 2 * moe_layers * h * shape.num_moe_experts
     attention = 2 * attention_layers * (h * (q + 2 * kv + gate) + q * h)
     mla = indexer = 0
     if shape.multi_latent_attention:
@@ -546,6 +555,7 @@ def _per_token_forward(shape: ModelShape) -> dict[str, int]:
         "gdn_scan": gdn_scan,
         "mlp": 2 * dense_layers * h * shape.ffn_hidden_size * glu,
         "moe": moe,
+        "moe_router": router,
         "mtp": 2 * mtp * (3 * h + 2 * h * h),
         "logits": 2 * h * shape.vocab_size * (mtp + 1),
     }
