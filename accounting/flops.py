@@ -466,6 +466,16 @@ class ModelShape:
 
         return cls(**shape_kwargs(config, hybrid_pattern), vocab_size=vocab_size, causal=causal)
 
+    @classmethod
+    def from_hf_config(cls, source: Any, **overrides: Any) -> ModelShape:
+        """Builds a shape from a Hugging Face `config.json` (path or dict); see `accounting.hf_config`.
+
+        An unsupported `model_type` or a field that may change the FLOPs raises ValueError naming it.
+        """
+        from accounting.hf_config import hf_shape_kwargs
+
+        return cls(**hf_shape_kwargs(source, **overrides))
+
 
 @dataclass(frozen=True)
 class FlopsBreakdown:
