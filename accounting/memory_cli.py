@@ -2,7 +2,7 @@
 
 Prints a table (or `--json`: `{"stages": [...], "max_stage": k}`) of each pipeline stage's most
 loaded rank: parameters, static bytes, activation bytes and their total, set against
-`--device-memory` when given. See `accounting.memory_estimate` for the conventions.
+`--device-memory` when given. See `accounting.stage_memory` for the conventions.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import re
 
 from accounting.hf_config import load_hf_config, tied_embeddings
-from accounting.memory_estimate import MemoryEstimate, ParallelLayout, memory_estimate
+from accounting.stage_memory import MemoryEstimate, ParallelLayout, memory_estimate
 
 __all__ = ["add_memory_parser", "memory_command", "parse_size"]
 

@@ -4,7 +4,7 @@ Each rank builds a real model and optimizer, trains one step (so Adam's moments 
 counts from the tensors themselves: the parameters of its model chunks, the bytes of their
 weights, of their DDP main gradients and of the optimizer's per-parameter state (Adam's
 `exp_avg` and `exp_avg_sq`, and any main-weight copy the optimizer holds). The estimate
-(`accounting.memory_estimate`) must equal both counts exactly on every rank of every stage.
+(`accounting.stage_memory`) must equal both counts exactly on every rank of every stage.
 
 On CPU the harness trains in fp32 (no bf16 copy of the weights): 4 + 4 + 8 = 16 bytes per
 parameter, the estimate's `precision="fp32"`; on CUDA it trains as Megatron-LM does, bf16 with
@@ -141,7 +141,7 @@ def _moe_rank(layout: Layout) -> tuple[dict[str, int], object, int, int]:
 def memory_rank(rank: int, world_size: int, layout: Layout) -> dict:
     """One rank: build, step, count; and the estimate for its stage from the megatron config."""
     from accounting import ModelShape
-    from accounting.memory_estimate import ParallelLayout, memory_estimate
+    from accounting.stage_memory import ParallelLayout, memory_estimate
     from fixtures.megatron import cpu_shim, destroy_model_parallel
 
     with cpu_shim():

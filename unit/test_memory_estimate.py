@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from accounting import ModelShape
 from accounting.cli import main
-from accounting.memory_estimate import ParallelLayout, memory_estimate, stage_layers
 from accounting.presets import PRESETS
+from accounting.stage_memory import ParallelLayout, memory_estimate, stage_layers
 
 pytestmark = pytest.mark.L0
 
