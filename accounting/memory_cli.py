@@ -46,6 +46,8 @@ def add_memory_parser(sub) -> None:
     mem.add_argument("--seq-len", type=int, required=True, help="sequence length")
     mem.add_argument("--vpp", type=int, help="model chunks per stage (interleaved 1F1B)")
     mem.add_argument("--num-microbatches", type=int, help="microbatches per step (default: enough to fill)")
+    mem.add_argument("--first-stage-layers", type=int, help="layers on the first stage (uneven pipeline)")
+    mem.add_argument("--last-stage-layers", type=int, help="layers on the last stage (uneven pipeline)")
     mem.add_argument("--sequence-parallel", action="store_true")
     mem.add_argument("--recompute", choices=("full", "selective"), help="activation recomputation")
     mem.add_argument(
@@ -75,6 +77,8 @@ def _estimate(args) -> tuple[MemoryEstimate, str]:
         sequence_parallel=args.sequence_parallel,
         recompute=args.recompute,
         distributed_optimizer=args.distributed_optimizer,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
     )
     estimate = memory_estimate(
         shape, layout, precision=args.precision, normalization=args.normalization, tied_embeddings=tied

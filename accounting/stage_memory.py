@@ -6,7 +6,8 @@ holds the same amount here; EP ranks hold equal expert shares).
 Parameters (`layer_params`): linear layers and the vocabulary are TP-sharded; norms (weight, plus
 bias for LayerNorm) and the MoE router are replicated; routed experts are split over EP and their
 matrices over TP (megatron's default expert TP = TP). Layers are split evenly over the PP x VPP
-model chunks; stage p holds chunks v*PP + p. The input embedding is on the first stage, the final
+model chunks; stage p holds chunks v*PP + p (or, without VPP, a given first / last stage's
+layers and the rest split evenly, megatron's num_layers_in_first/last_pipeline_stage). The input embedding is on the first stage, the final
 norm, the output layer (unless tied with PP = 1) and the MTP depths on the last. Linear biases
 are not counted (add_bias_linear = False); MLA's down projections are replicated, its up
 projections TP-sharded.
@@ -59,6 +60,9 @@ class ParallelLayout:
     sequence_parallel: bool = False
     recompute: str | None = None
     distributed_optimizer: bool = False
+    # Megatron's num_layers_in_first/last_pipeline_stage (uneven pipelines, without VPP only).
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "dp", "micro_batch_size", "seq_len"):
@@ -77,6 +81,19 @@ class ParallelLayout:
             raise ValueError(f"seq_len = {self.seq_len} must be divisible by cp = {self.cp}")
         if self.num_microbatches is not None and self.num_microbatches < 1:
             raise ValueError(f"num_microbatches = {self.num_microbatches} must be at least 1")
+        self._check_uneven()
+
+    def _check_uneven(self) -> None:
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} = {value!r} must be an int >= 0")
+            if self.pp < 2 or self.vpp is not None:
+                raise ValueError(
+                    f"{name} needs pp >= 2 and no virtual pipeline (pp = {self.pp}, vpp = {self.vpp})"
+                )
 
     @property
     def chunks(self) -> int:
@@ -138,8 +155,32 @@ def _layer_kinds(shape: ModelShape) -> list[tuple[str, str]]:
     return [("gdn" if linear[i] else mixer, "moe" if moe[i] else "mlp") for i in range(shape.num_layers)]
 
 
+def _uneven_counts(num_layers: int, layout: ParallelLayout) -> list[int] | None:
+    """Layers per stage with a given first and/or last stage, the rest split evenly (megatron's rule)."""
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    if first is None and last is None:
+        return None
+    middle = layout.pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle and rest % middle) or (not middle and rest):
+        raise ValueError(
+            f"num_layers = {num_layers} with first_stage_layers = {first}, last_stage_layers = {last}: "
+            f"the other {rest} layers do not split evenly over {middle} stages"
+        )
+    each = rest // middle if middle else 0
+    counts = [each] * layout.pp
+    counts[0] = each if first is None else first
+    counts[-1] = each if last is None else last
+    return counts
+
+
 def stage_layers(num_layers: int, layout: ParallelLayout) -> list[list[int]]:
-    """The main decoder layers of each stage: chunk v*PP + p of PP*VPP equal chunks is on stage p."""
+    """The main decoder layers of each stage: chunk v*PP + p of PP*VPP equal chunks is on stage p
+    (or the uneven split of `first_stage_layers` / `last_stage_layers`)."""
+    counts = _uneven_counts(num_layers, layout)
+    if counts is not None:
+        starts = [sum(counts[:p]) for p in range(layout.pp)]
+        return [list(range(start, start + n)) for start, n in zip(starts, counts, strict=True)]
     chunks = layout.pp * layout.chunks
     if num_layers % chunks:
         raise ValueError(f"num_layers = {num_layers} is not divisible by pp x vpp = {chunks} model chunks")

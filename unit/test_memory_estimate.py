@@ -327,3 +327,33 @@ def test_memory_bad_arguments_are_one_line_with_exit_2(args, message):
     result = run_cli("memory", *args)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_uneven_pipelines_take_megatrons_first_and_last_stage_layers():
+    # DeepSeek-V3's 61 layers on 16 stages: 3 + 14 x 4 + 2.
+    layout = ParallelLayout(pp=16, seq_len=8, first_stage_layers=3, last_stage_layers=2)
+    layers = stage_layers(61, layout)
+    assert [len(x) for x in layers] == [3] + [4] * 14 + [2]
+    assert [i for stage in layers for i in stage] == list(range(61))
+    assert [len(x) for x in stage_layers(10, ParallelLayout(pp=3, seq_len=8, first_stage_layers=2))] == [
+        2,
+        4,
+        4,
+    ]
+    with pytest.raises(ValueError, match="do not split evenly over 14 stages"):
+        stage_layers(60, layout)
+    with pytest.raises(ValueError, match="needs pp >= 2 and no virtual pipeline"):
+        ParallelLayout(pp=2, vpp=2, seq_len=8, first_stage_layers=1)
+
+
+def test_memory_answers_for_deepseek_v3_on_an_uneven_pipeline(capsys):
+    argv = ["memory", "--preset", "deepseek-v3", "--tp", "2", "--pp", "16", "--ep", "64", "--dp", "64"]
+    argv += ["--first-stage-layers", "3", "--last-stage-layers", "2", "--seq-len", "4096", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["stages"]) == 16
+    # Every stage's parameters add up to the whole model on TP x EP ranks: experts / 64, the rest / 2
+    # (norms and routers replicated): the sum over stages of one rank's routed experts is the whole
+    # model's 58 + 1 (MTP) MoE layers x 256 experts x 3 x 7168 x 2048 / (64 x 2).
+    experts = sum(row["expert_params"] for row in data["stages"])
+    assert experts == 59 * 256 * 3 * 7168 * 2048 // (64 * 2)
