@@ -126,17 +126,20 @@ def _attention(f: _Fields) -> dict[str, Any]:
     }
 
 
-def _window_pattern(f: _Fields, layers: int, default: Callable[[int], bool]) -> tuple[int, ...]:
-    """1 per sliding-window layer from `layer_types`, else from the model type's own rule."""
+def _window_pattern(
+    f: _Fields, layers: int, default: Callable[[int], bool], marked: str = "sliding_attention"
+) -> tuple[int, ...]:
+    """1 per `marked` layer (sliding window, or linear attention) from `layer_types`, else from
+    the model type's own rule; the other layers must be "full_attention"."""
     types = f.get("layer_types")
     if types is None:
         return tuple(int(default(i)) for i in range(layers))
     if not isinstance(types, list) or len(types) != layers:
         raise f.error(f"field layer_types must list one entry per layer ({layers}), got {types!r}")
-    bad = [t for t in types if t not in ("sliding_attention", "full_attention")]
+    bad = [t for t in types if t not in (marked, "full_attention")]
     if bad:
-        raise f.error(f"field layer_types holds {bad[0]!r}, not 'sliding_attention' or 'full_attention'")
-    return tuple(int(t == "sliding_attention") for t in types)
+        raise f.error(f"field layer_types holds {bad[0]!r}, not {marked!r} or 'full_attention'")
+    return tuple(int(t == marked) for t in types)
 
 
 def _window(f: _Fields, kwargs: dict[str, Any], pattern: tuple[int, ...]) -> None:
@@ -211,6 +214,13 @@ def _deepseek_v3(f: _Fields) -> dict[str, Any]:
             f"field moe_layer_freq = {freq!r}: only 1 (every layer after the dense ones) is modelled"
         )
     expert = f.int("moe_intermediate_size")
+    nope, rope = f.int("qk_nope_head_dim"), f.int("qk_rope_head_dim")
+    # Newer transformers save the derived qk_head_dim (nope + rope) and head_dim (rope): checked.
+    for name, want in (("qk_head_dim", nope + rope), ("head_dim", rope)):
+        if f.get(name, want) != want:
+            raise f.error(
+                f"field {name} = {f.config[name]!r} disagrees with qk_nope/qk_rope_head_dim ({want})"
+            )
     return {
         "num_layers": layers,
         "hidden_size": f.int("hidden_size"),
@@ -227,8 +237,8 @@ def _deepseek_v3(f: _Fields) -> dict[str, Any]:
         "multi_latent_attention": True,
         "q_lora_rank": None if f.get("q_lora_rank") is None else f.int("q_lora_rank"),
         "kv_lora_rank": f.int("kv_lora_rank"),
-        "qk_head_dim": f.int("qk_nope_head_dim"),
-        "qk_pos_emb_head_dim": f.int("qk_rope_head_dim"),
+        "qk_head_dim": nope,
+        "qk_pos_emb_head_dim": rope,
         "v_head_dim": f.int("v_head_dim"),
     }
 
@@ -283,7 +293,7 @@ def _qwen3_next(f: _Fields) -> dict[str, Any]:
     if f.get("use_sliding_window"):
         raise f.error("field use_sliding_window = true in a gated-DeltaNet hybrid is not modelled")
     layers, interval = kwargs["num_layers"], f.int("full_attention_interval")
-    linear = _window_pattern(f, layers, lambda i: (i + 1) % interval != 0)  # 1 = not full attention
+    linear = _window_pattern(f, layers, lambda i: (i + 1) % interval != 0, marked="linear_attention")
     kwargs.update(
         ffn_hidden_size=f.int("intermediate_size"),
         gated_linear_unit=True,
@@ -314,6 +324,10 @@ def _gemma(f: _Fields) -> dict[str, Any]:
     kwargs = _attention(f)
     kwargs.update(ffn_hidden_size=f.int("intermediate_size"), gated_linear_unit=True)
     layers = kwargs["num_layers"]
+    if f.get("sliding_window_size", f.config.get("sliding_window")) != f.config.get("sliding_window"):
+        raise f.error(
+            f"field sliding_window_size = {f.config['sliding_window_size']!r} differs from sliding_window"
+        )
     if f.config["model_type"] == "gemma2":
         rule = lambda i: i % 2 == 0  # noqa: E731 (transformers' Gemma2: even layers slide)
     else:

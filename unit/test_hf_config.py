@@ -219,3 +219,28 @@ def test_cli_bad_config_files_are_one_line_with_exit_2(tmp_path, make, message):
 def test_cli_preset_and_hf_config_are_exclusive():
     result = run_cli("flops", "--preset", "llama3-8b", "--hf-config", "x.json", "--seq-len", "8")
     assert result.returncode == 2 and "not allowed with" in result.stderr
+
+
+def test_qwen3_next_layer_types_mark_the_linear_attention_layers():
+    config = json.loads((DATA / "qwen3-next-80b-a3b.json").read_text())
+    types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12
+    assert ModelShape.from_hf_config({**config, "layer_types": types}) == PRESETS["qwen3-next-80b-a3b"]
+    types[0] = "full_attention"  # a different pattern is read as a per-layer list
+    # 35 linear layers; the last layer is full attention, so the MTP depth is too
+    assert ModelShape.from_hf_config({**config, "layer_types": types}).linear_layers == 35
+    with pytest.raises(ValueError, match="layer_types holds 'sliding_attention'"):
+        ModelShape.from_hf_config({**config, "layer_types": ["sliding_attention"] * 48})
+
+
+def test_deepseek_derived_head_dims_are_checked_not_trusted():
+    config = json.loads((DATA / "deepseek-v3.json").read_text())
+    assert ModelShape.from_hf_config({**config, "qk_head_dim": 192, "head_dim": 64}) == PRESETS["deepseek-v3"]
+    with pytest.raises(ValueError, match="qk_head_dim = 128 disagrees"):
+        ModelShape.from_hf_config({**config, "qk_head_dim": 128})
+
+
+def test_gemma2_sliding_window_size_must_agree_with_sliding_window():
+    config = llama(model_type="gemma2", sliding_window=8, sliding_window_size=8)
+    assert ModelShape.from_hf_config(config).window_size == (7, 0)
+    with pytest.raises(ValueError, match="sliding_window_size = 16 differs"):
+        ModelShape.from_hf_config({**config, "sliding_window_size": 16})
