@@ -6,6 +6,7 @@ from accounting.flops import FlopsBreakdown, ModelShape, training_flops
 from accounting.inspector import InspectConfig, TensorInspector
 from accounting.memory import memory_report, reduce_max_memory
 from accounting.seqlens import SeqlenStats, seqlen_stats, validate_cu_seqlens
+from accounting.stage_memory import MemoryEstimate, ParallelLayout, memory_estimate
 from accounting.throughput import IntervalThroughput
 
 __all__ = [
@@ -14,9 +15,12 @@ __all__ = [
     "InspectConfig",
     "IntervalThroughput",
     "LoraAdapter",
+    "MemoryEstimate",
     "ModelShape",
+    "ParallelLayout",
     "SeqlenStats",
     "TensorInspector",
+    "memory_estimate",
     "memory_report",
     "reduce_max_memory",
     "seqlen_stats",

@@ -16,15 +16,14 @@ import sys
 
 import torch
 
+from accounting.cli_models import UsageError as _UsageError
+from accounting.cli_models import model_arguments as _model_arguments
+from accounting.cli_models import model_from_args
 from accounting.flops import flops_from_sums, training_flops
-from accounting.presets import PRESETS, preset, preset_adapter
+from accounting.memory_cli import add_memory_parser, memory_command
 from accounting.seqlens import SeqlenStats, pairs_beyond, seqlen_stats, validate_cu_seqlens
 
 __all__ = ["main"]
-
-
-class _UsageError(Exception):
-    """A bad argument: reported in one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,14 +71,15 @@ def _in_range(flag: str, values: list[int], low: int) -> None:
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m accounting", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    flops = sub.add_parser("flops", help="FLOPs of one packed sequence for a preset model")
-    flops.add_argument("--preset", required=True, choices=sorted(PRESETS), help="model shape")
+    flops = sub.add_parser("flops", help="FLOPs of one packed sequence for a preset model or an HF config")
+    _model_arguments(flops)
     src = flops.add_mutually_exclusive_group()
     src.add_argument("--docs", type=_int_list, help="document lengths, e.g. 4096,2048,1024,1024")
     src.add_argument("--cu-seqlens", type=_int_list, help="cumulative boundaries, e.g. 0,4096,6144")
     flops.add_argument("--seq-len", type=int, help="pack length (default: the documents' total)")
     flops.add_argument("--recompute", choices=("full", "selective"), help="count the recompute forward")
     flops.add_argument("--json", action="store_true", help="print one JSON object")
+    add_memory_parser(sub)
     return parser
 
 
@@ -145,7 +145,7 @@ def _dense_pack_flops(shape, pack_len: int, frozen: bool, adapter) -> int:
 
 
 def _flops(args) -> int:
-    shape, adapter = preset(args.preset), preset_adapter(args.preset)
+    shape, adapter, name = model_from_args(args)
     stats, pack_len, docs = _stats(args, shape.stats_window)
     frozen = adapter is not None
     result = training_flops(shape, stats, recompute=args.recompute, frozen_base=frozen, adapter=adapter)
@@ -156,6 +156,7 @@ def _flops(args) -> int:
             json.dumps(
                 {
                     "preset": args.preset,
+                    "hf_config": args.hf_config,
                     "num_documents": docs,
                     "tokens": int(stats.tokens),
                     "pack_len": pack_len,
@@ -175,7 +176,7 @@ def _flops(args) -> int:
             )
         )
         return 0
-    print(f"{args.preset}: {docs} documents, {int(stats.tokens)} real tokens in a pack of {pack_len}")
+    print(f"{name}: {docs} documents, {int(stats.tokens)} real tokens in a pack of {pack_len}")
     if adapter is not None:
         print(f"frozen base, LoRA rank {adapter.rank} on {', '.join(adapter.targets)}")
     print(f"{'term':<24}{'model FLOPs':>16}{'hardware FLOPs':>18}")
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     try:
         args = parser.parse_args(argv)
-        return _flops(args)
+        return memory_command(args) if args.command == "memory" else _flops(args)
     except _UsageError as err:
         print(f"python -m accounting: error: {err}", file=sys.stderr)
         return 2

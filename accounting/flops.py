@@ -8,6 +8,12 @@ A sliding window removes, per document, exactly the pairs outside it (see `accou
 DeepSeek sparse attention's top-k cap is counted the same way, as a left window of k - 1 keys (see
 `accounting.sparse_attention` and `ModelShape.stats_window`).
 
+Only matrix multiplies and the sequence mixers' convolutions and scans are counted: norms,
+activations, softmax, RoPE and residual adds are not, with one exception kept to match
+Megatron-LM: the `mtp` term counts 3h per token for each MTP depth's three norms. The MoE router's
+GEMM (hidden x experts per MoE layer and token) is its own term, `moe_router`; Megatron-LM and
+Megatron-Bridge do not count it, nor Mamba-2's depthwise conv1d (counted here in `mamba`).
+
 Model FLOPs (`total`, the MFU numerator) use real tokens and real lengths. Hardware FLOPs
 (`hardware_total`) use the padded tokens and padded lengths the kernels execute, plus the forward
 pass that activation recomputation repeats.
@@ -34,7 +40,8 @@ from accounting.sparse_attention import (
 __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training_flops"]
 
 # Term names of `FlopsBreakdown.terms`. The MTP layers' own attention and MLP are counted in the
-# attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection.
+# attention and mlp/moe terms (as Megatron-LM does); `mtp` holds their norms and eh projection;
+# `moe_router` the router's GEMM (hidden x experts) of every MoE layer, MTP ones included.
 # `mla_projections` holds multi-latent attention's down/up projections (its core attention is in
 # `core_attention`); `mamba` the Mamba-2 mixers' projections and conv, `mamba_scan` their scan
 # (hybrid patterns); `gdn` / `gdn_scan` the same for gated DeltaNet layers; `adapter` the trainable adapter's GEMMs (only when an adapter is given).
@@ -55,6 +62,7 @@ TERMS = (
     "gdn_scan",
     "mlp",
     "moe",
+    "moe_router",
     "mtp",
     "logits",
     "adapter",
@@ -458,6 +466,16 @@ class ModelShape:
 
         return cls(**shape_kwargs(config, hybrid_pattern), vocab_size=vocab_size, causal=causal)
 
+    @classmethod
+    def from_hf_config(cls, source: Any, **overrides: Any) -> ModelShape:
+        """Builds a shape from a Hugging Face `config.json` (path or dict); see `accounting.hf_config`.
+
+        An unsupported `model_type` or a field that may change the FLOPs raises ValueError naming it.
+        """
+        from accounting.hf_config import hf_shape_kwargs
+
+        return cls(**hf_shape_kwargs(source, **overrides))
+
 
 @dataclass(frozen=True)
 class FlopsBreakdown:
@@ -595,6 +613,13 @@ def _moe(shape: ModelShape, layers: _Layers) -> int:
     return 2 * layers.moe * (routed + h * shared * glu)
 
 
+def _moe_router(shape: ModelShape, layers: _Layers) -> int:
+    """The MoE router's GEMM (hidden x experts) on every MoE layer, MTP ones included."""
+    if shape.num_moe_experts is None:
+        return 0
+    return 2 * layers.moe * shape.hidden_size * shape.num_moe_experts
+
+
 def _mtp(shape: ModelShape, layers: _Layers) -> int:
     """MTP depths' three norms and eh projection (their attention and MLP are counted above)."""
     h = shape.hidden_size
@@ -618,6 +643,7 @@ _PER_TOKEN_TERMS = {
     "gdn_scan": _gdn_scan,
     "mlp": _mlp,
     "moe": _moe,
+    "moe_router": _moe_router,
     "mtp": _mtp,
     "logits": _logits,
 }

@@ -2,7 +2,14 @@
 
 Vocabulary sizes are the padded sizes the output layer multiplies by. Reference totals (one
 sequence, GBS=1) from Megatron-Bridge's functional FLOPs test are listed where they exist; the
-presets reproduce them to 3 significant figures (an independent oracle, see unit/test_flops*).
+presets reproduce them to 3 significant figures (an independent oracle, see unit/test_flops*;
+Megatron-Bridge does not count the MoE router, so the comparison leaves the `moe_router` term out).
+
+Each preset but gpt3-175b (GPT-3 has no published config.json) equals `ModelShape.from_hf_config`
+of its model's published config.json (copies in unit/data/hf_configs/, unit/test_hf_config.py);
+none differs from its config on purpose. DeepSeek-V3.2's indexer training (its KL loss over the
+top-k keys) is a training choice that config.json does not hold: the preset chooses it. Qwen3's
+per-head q/k norms are not a shape field (no FLOPs; 2 x head_dim parameters per layer).
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ def oracle_terms(s: ModelShape, lengths: list[int]) -> dict[str, Fraction]:
         moe = s.num_moe_experts is not None and s.moe_layer_pattern[min(layer, s.num_layers - 1)]
         shared = s.moe_shared_expert_intermediate_size or 0
         routed = s.moe_router_topk * s.moe_ffn_hidden_size
-        ffn.append(glu * h * (routed + shared) if moe else glu * h * s.ffn_hidden_size)
+        router = h * s.num_moe_experts if moe else 0  # the router's h x experts GEMM
+        ffn.append(glu * h * (routed + shared) + router if moe else glu * h * s.ffn_hidden_size)
     terms = {
         "mla_projections": 3 * 2 * tokens * layers * mla,
         "core_attention": 3 * 2 * layers * n * ((rank + rope) + rank) * causal_pairs(lengths, k),

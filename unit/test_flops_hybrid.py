@@ -64,7 +64,8 @@ def oracle(s: ModelShape, lengths: list[int], frozen: bool = False) -> Fraction:
         "M": h * d + h * d + h * G * N + h * G * N + h * H + (d + 2 * G * N) * 4 + d * h,
         "*": h * q + h * kv + h * kv + q * h,
         "-": mats * h * s.ffn_hidden_size,
-        "E": mats * h * s.moe_router_topk * s.moe_ffn_hidden_size,
+        # routed experts, plus the router's h x experts GEMM
+        "E": mats * h * s.moe_router_topk * s.moe_ffn_hidden_size + h * (s.num_moe_experts or 0),
     }
     # The scan, per token and head: decay P·N multiplies, x Bᵀ P·N multiply-adds, S C P·N
     # multiply-adds, D x P multiply-adds -> P·N + 2·(2·P·N) + 2·P FLOPs.
@@ -231,7 +232,8 @@ def latent_oracle(s: ModelShape, lengths: list[int]) -> Fraction:
         "+": mla,
         "D": mla,  # absorbed: n·qk·rank + n·rank·v per token, the same multiply-adds as kv up
         "-": mats * h * s.ffn_hidden_size,
-        "E": mats * h * s.moe_router_topk * s.moe_ffn_hidden_size,
+        # routed experts, plus the router's h x experts GEMM
+        "E": mats * h * s.moe_router_topk * s.moe_ffn_hidden_size + h * (s.num_moe_experts or 0),
     }
     symbols = [c for c in s.hybrid_pattern if c not in "|/"]
     depths = s.hybrid_pattern.count("/")

@@ -75,12 +75,13 @@ def mla_weight_macs(s: ModelShape) -> int:
 
 
 def ffn_macs(s: ModelShape, moe_layer: bool) -> int:
-    """Multiply-adds per token of one layer's MLP (dense) or MoE block (top-k routed + shared)."""
+    """Multiply-adds per token of one layer's MLP (dense) or MoE block (router, top-k routed + shared)."""
     mats = 3 if s.gated_linear_unit else 2  # gate, up, down  |  up, down
     if not moe_layer:
         return mats * s.hidden_size * s.ffn_hidden_size
     shared = s.moe_shared_expert_intermediate_size or 0
-    return mats * s.hidden_size * (s.moe_router_topk * s.moe_ffn_hidden_size + shared)
+    router = s.hidden_size * s.num_moe_experts
+    return mats * s.hidden_size * (s.moe_router_topk * s.moe_ffn_hidden_size + shared) + router
 
 
 def oracle(s: ModelShape, lengths: list[int], frozen: bool = False) -> Fraction:
