@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ci.report_input import ReportError, load_report, printable
+from ci.report_input import ReportError, code_span, load_report, printable
 
 MIB = 2**20
 SIDES = (("host", "host RSS"), ("device", "CUDA device memory"))
@@ -44,11 +44,6 @@ def _label(nodeid: str) -> str:
     """The test's name without its file (`test_x[param]`), clipped, in characters safe in Mermaid."""
     name = _UNSAFE_LABEL.sub("?", nodeid.rsplit("::", 1)[-1].replace('"', "'"))
     return name if len(name) <= _LABEL_CHARS else name[: _LABEL_CHARS - 3] + "..."
-
-
-def _code(text: str) -> str:
-    """`text` as a Markdown code span that no backtick or newline in it can end."""
-    return "`" + printable(text, 200).replace("`", "'") + "`"
 
 
 def bars(report: dict[str, Any], side: str) -> tuple[list[Bar], int]:
@@ -118,7 +113,7 @@ def memory_charts_markdown(report_path: Path) -> str:
     if not blocks:
         return ""
     over = [
-        f"{_code(row['nodeid'])} ({side})"
+        f"{code_span(row['nodeid'])} ({side})"
         for row in report.get("tests", [])
         for side, _ in SIDES
         if isinstance(row.get(f"peak_{side}_bytes"), int)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ci.report_input import MAX_REPORT_BYTES, ReportError, load_report, printable
+from ci.report_input import MAX_REPORT_BYTES, ReportError, code_span, load_report, printable
 from megatron_testkit.diagnosis import RankRecord, classify
 from megatron_testkit.report import build_report, format_markdown
 from megatron_testkit.schema import MAX_GPUS, MAX_WORLD_SIZE
@@ -262,7 +262,7 @@ def format_merged_markdown(report: dict[str, Any]) -> str:
         for row in failing:
             root = row["failure"]
             lines.append(
-                f"- `{printable(row['nodeid'], 300).replace('`', "'")}`: root cause node {root['node']}, "
+                f"- {code_span(row['nodeid'], 300)}: root cause node {root['node']}, "
                 f"rank {root.get('rank')}, "
                 f"{printable(root.get('kind') or 'unnamed', 40)}"
             )

@@ -89,3 +89,8 @@ def printable(text: str, width: int | None = None) -> str:
     if width is not None and len(out) > width:
         out = out[: width - 1] + "…"
     return out
+
+
+def code_span(text: str, width: int = 200) -> str:
+    """`text` as a Markdown code span (job summaries) that no backtick or newline in it can end."""
+    return "`" + printable(text, width).replace("`", "'") + "`"
