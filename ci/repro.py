@@ -17,13 +17,13 @@ import argparse
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ci.child import wait_forwarding
 from ci.jobs import DEVICE_MEMORY_ENV, HOST_MEMORY_ENV, JOBS, ROOT, TIERS, Job, job_for, pytest_args
 from ci.limits import METHODS, RANK_CGROUP_ENV, Kill, MemoryLimit, apply_memory_limit
 from ci.nodeids import check as check_nodeids
@@ -300,11 +300,7 @@ def run_limited(p: Plan, limit: MemoryLimit) -> tuple[int, list[Kill]]:
         env[RANK_CGROUP_ENV] = str(limit.cgroup)
     proc = subprocess.Popen(p.command, cwd=p.root, env=env)
     watcher = limit.watch(proc.pid) if limit.limit_bytes is not None else None
-    try:
-        returncode = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        returncode = proc.wait()
+    returncode = wait_forwarding(proc)  # a SIGTERM/SIGINT to repro stops pytest, which reports
     kills = watcher.stop() if watcher is not None else []
     for error in watcher.errors if watcher is not None else []:
         _say(f"warning: {error}")
