@@ -367,7 +367,7 @@ def execute(p: Plan, limit_method: str) -> int:
         }
         if p.ci_failed:
             ci = [verdict(test, p.ci_junit) for test in p.ci_failed]
-            print(format_comparison(ci, here, p.stale), flush=True)
+            print(format_comparison(ci, here, p.stale, refused=dict(p.refused)), flush=True)
         else:
             failed = [here[test["nodeid"]] for test in failed_tests(local)]
             print(format_verdicts(failed) if failed else f"no failures ({_counts(local)})", flush=True)

@@ -11,7 +11,7 @@ lenient about the rest (missing optional fields print as "-").
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,11 +171,16 @@ def _launched_ranks(v: Verdict) -> bool:
 
 
 def format_comparison(
-    ci: list[Verdict], local: dict[str, Verdict], stale: Collection[str] = (), width: int = 160
+    ci: list[Verdict],
+    local: dict[str, Verdict],
+    stale: Collection[str] = (),
+    width: int = 160,
+    refused: Mapping[str, str] | None = None,
 ) -> str:
     """For each test that failed in CI: the CI verdict next to the local one, then what differs.
 
-    A stale id (no such test here any more) says so instead of "not run"; a test that launched no
+    A stale id (no such test here any more) says so instead of "not run", and so does an id
+    refused as not a test of this project (`refused`: id -> reason); a test that launched no
     ranks has no seed, world size or rank peaks to compare, and says that instead.
     """
     lines = []
@@ -185,6 +190,9 @@ def format_comparison(
         lines.append(
             f"    CI:    {v.outcome:<7} {printable(v.cause):<16} {_clip(v.first_line, width)}".rstrip()
         )
+        if refused and v.nodeid in refused:
+            lines.append(f"    local: refused, not run: {refused[v.nodeid]}")
+            continue
         if v.nodeid in stale:
             lines.append("    local: skipped: no such test here (renamed or removed since the CI run)")
             continue
