@@ -257,7 +257,8 @@ def _is_int(value: Any) -> bool:
 
 # Fields a row cannot do without; the others have defaults or read leniently when absent.
 _REQUIRED = {"TestEntry": ("nodeid", "outcome"), "RankPeak": ("rank",)}
-# Integer fields with a narrower range than MAX_INT: (low, high), both included.
+# Integer fields with a narrower range than +-MAX_INT: (low, high), both included; sizes in bytes
+# (``*_bytes``) are 0 to MAX_INT.
 _INT_RANGES = {
     "world_size": (0, MAX_WORLD_SIZE),
     "rank": (0, MAX_WORLD_SIZE - 1),
@@ -321,7 +322,7 @@ def _check_value(value: Any, kind: Any, where: str, name: str) -> Any:
     if is_dataclass(kind):
         return _check_object(value, kind, where)
     if kind is int:
-        low, high = _INT_RANGES.get(name, (-MAX_INT, MAX_INT))
+        low, high = _INT_RANGES.get(name, (0 if name.endswith("_bytes") else -MAX_INT, MAX_INT))
         if not _is_int(value) or not low <= value <= high:
             raise SchemaError(f"{where} is not an integer in [{low}, {high}]")
     elif kind is float:
