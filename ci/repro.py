@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ci.child import start as start_child
 from ci.child import wait_forwarding
 from ci.jobs import DEVICE_MEMORY_ENV, HOST_MEMORY_ENV, JOBS, ROOT, TIERS, Job, job_for, pytest_args
 from ci.limits import METHODS, RANK_CGROUP_ENV, Kill, MemoryLimit, apply_memory_limit
@@ -298,7 +299,7 @@ def run_limited(p: Plan, limit: MemoryLimit) -> tuple[int, list[Kill]]:
         # For a launcher that joins the group itself at rank start (no adoption window) and reads
         # its counters for the verdict; the watcher below does both meanwhile.
         env[RANK_CGROUP_ENV] = str(limit.cgroup)
-    proc = subprocess.Popen(p.command, cwd=p.root, env=env)
+    proc = start_child(p.command, cwd=p.root, env=env)
     watcher = limit.watch(proc.pid) if limit.limit_bytes is not None else None
     returncode = wait_forwarding(proc)  # a SIGTERM/SIGINT to repro stops pytest, which reports
     kills = watcher.stop() if watcher is not None else []

@@ -5,6 +5,7 @@ The end-to-end runs (a planted OOM, a rerun from a report) are in functional/tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -812,3 +813,101 @@ def test_report_text_is_printed_escaped() -> None:
     for text in (format_verdicts([verdict(hostile)]), format_comparison([verdict(hostile)], {})):
         assert all(ch.isprintable() for line in text.splitlines() for ch in line), text
         assert "\\x1b[2J" in text and "\\u202e" in text
+
+
+# ---- stop requests reach the child ---------------------------------------------------------------
+
+SLEEPER = """
+import os, signal, sys, time
+out = sys.argv[1]
+
+def stop(signum, frame):
+    with open(out, "a") as f:
+        f.write(f"got {signum}\\n")
+    time.sleep(0.5)  # a shutdown that takes a while: writing the report, tearing down ranks
+    with open(out, "a") as f:
+        f.write("done\\n")
+    sys.exit(3)
+
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+with open(out, "a") as f:
+    f.write(f"started {os.getpid()}\\n")
+time.sleep(120)
+"""
+
+RUN_JOB = """
+import sys
+from pathlib import Path
+import ci.jobs as jobs
+jobs.ROOT = Path(sys.argv[1])  # a project whose ci/test.sh is the sleeper, not the test suite
+sys.exit(jobs.run_job("L0-cpu"))
+"""
+
+
+def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert time.monotonic() < deadline, f"no {text!r} in {path}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum", [15, 2], ids=["SIGTERM", "SIGINT"])
+def test_ci_job_forwards_a_stop_signal_to_the_tests_it_runs_and_waits_for_them(
+    signum: int, tmp_path: Path
+) -> None:
+    """A real signal to a real `run_job`, whose child is a shell script running a real Python
+    process (as ci/test.sh runs pytest): the signal reaches that process, and run_job waits for its
+    shutdown, then goes on (the memory-chart line is printed after the child)."""
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    log = tmp_path / "sleeper.log"
+    (tmp_path / "ci" / "test.sh").write_text(f'"{sys.executable}" sleeper.py "{log}"\nexit $?\n')
+    env = {k: v for k, v in os.environ.items() if k != "GITHUB_STEP_SUMMARY"}
+    env["PYTHONPATH"] = str(ROOT)
+    job = subprocess.Popen(
+        [sys.executable, "-c", RUN_JOB, str(tmp_path)],
+        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for(log, "started")
+        job.send_signal(signum)  # to run_job's process alone, as a runner signals the step's process
+        out, _ = job.communicate(timeout=60)
+        lines = log.read_text().splitlines()
+        assert lines[1:] == [f"got {signum}", "done"], lines
+        assert "memory chart:" in out.splitlines()[-1], out
+        # The shell's exit code: killed by the SIGTERM (128 + 15), or the child's 3 (bash waits out
+        # a child's SIGINT and goes on); never 0, never run_job's own death.
+        assert job.returncode in (3, 128 + 15), job.returncode
+    finally:
+        job.kill()
+        pid = int(log.read_text().split()[1]) if log.exists() else None
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
+def test_the_child_helper_passes_a_signal_on_when_the_child_shares_the_terminals_group(
+    tmp_path: Path,
+) -> None:
+    """With a terminal, the child stays in the parent's process group: a signal sent to the parent
+    alone is passed to the child itself (pytest directly, as repro runs it)."""
+    code = (
+        "import subprocess, sys\n"
+        "from ci.child import exit_code, wait_forwarding\n"
+        "proc = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])\n"
+        "sys.exit(exit_code(wait_forwarding(proc)))\n"
+    )
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    log = tmp_path / "sleeper.log"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "sleeper.py"), str(log)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        _wait_for(log, "started")
+        parent.send_signal(15)
+        assert parent.wait(timeout=60) == 3  # the child's own exit code, after its shutdown
+        assert log.read_text().splitlines()[1:] == ["got 15", "done"]
+    finally:
+        parent.kill()
