@@ -156,7 +156,7 @@ def format_verdicts(verdicts: list[Verdict], width: int = 160) -> str:
     """One block per failed test: the cause on the first line, the error and the memory below."""
     lines = []
     for v in verdicts:
-        lines.append(f"FAILED {printable(v.nodeid)}: {printable(v.cause)}")
+        lines.append(f"FAILED {printable(v.nodeid)}: {printable(v.cause, 80)}")
         if v.first_line:
             lines.append(f"    {_clip(v.first_line, width)}")
         if v.world_size is None and v.peak_host is None and v.peak_device is None:
@@ -188,7 +188,7 @@ def format_comparison(
         here = local.get(v.nodeid)
         lines.append(printable(v.nodeid))
         lines.append(
-            f"    CI:    {v.outcome:<7} {printable(v.cause):<16} {_clip(v.first_line, width)}".rstrip()
+            f"    CI:    {v.outcome:<7} {printable(v.cause, 80):<16} {_clip(v.first_line, width)}".rstrip()
         )
         if refused and v.nodeid in refused:
             lines.append(f"    local: refused, not run: {refused[v.nodeid]}")
@@ -200,7 +200,7 @@ def format_comparison(
             lines.append("    local: not run (deselected, or skipped at collection?)")
             continue
         lines.append(
-            f"    local: {here.outcome:<7} {printable(here.cause):<16} {_clip(here.first_line, width)}".rstrip()
+            f"    local: {here.outcome:<7} {printable(here.cause, 80):<16} {_clip(here.first_line, width)}".rstrip()
         )
         if not (_launched_ranks(v) or _launched_ranks(here)):
             lines.append(
