@@ -4,18 +4,19 @@ Prints the FLOPs breakdown of one packed sequence (model vs hardware FLOPs) and 
 the pack as one dense sequence (pack_len^2 attention) would over-report. Bad arguments get one
 line on stderr and exit code 2: unknown names, malformed boundaries, and any number out of range
 (negative, or past what the exact int64 sums hold). Long lists come from a file or stdin:
-`--docs @lengths.txt`, `--docs -` (integers separated by commas, spaces or newlines).
+`--docs @lengths.txt`, `--docs -` or `@-` (integers separated by commas, spaces or newlines; read
+within a stated size, see accounting/cli_input.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 import torch
 
+from accounting.cli_input import int_list as _int_list
 from accounting.cli_models import UsageError as _UsageError
 from accounting.cli_models import model_arguments as _model_arguments
 from accounting.cli_models import model_from_args
@@ -32,32 +33,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 INT64_MAX = 2**63 - 1
-
-
-def _read_list_source(text: str) -> tuple[str, str]:
-    """The list's text and where it came from: inline, `@FILE`, or `-` for stdin."""
-    if text == "-":
-        return sys.stdin.read(), "stdin"
-    if text.startswith("@"):
-        try:
-            with open(text[1:], encoding="utf-8") as handle:
-                return handle.read(), text[1:]
-        except OSError as err:
-            raise argparse.ArgumentTypeError(f"cannot read {text[1:]!r}: {err.strerror}") from None
-    return text, "the argument"
-
-
-def _int_list(text: str) -> list[int]:
-    """Integers separated by commas and/or whitespace, inline or from `@FILE` / `-` (stdin)."""
-    body, source = _read_list_source(text)
-    parts = [part for part in re.split(r"[,\s]+", body) if part]
-    try:
-        return [int(part) for part in parts]
-    except ValueError:
-        bad = next(p for p in parts if not re.fullmatch(r"[+-]?\d+", p.replace("_", "")))
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {bad[:40]!r} in {source}"
-        ) from None
 
 
 def _in_range(flag: str, values: list[int], low: int) -> None:

@@ -6,15 +6,20 @@ memory side (host RSS, CUDA device), which GitHub renders in the job summary, an
 skipped). Bars are each test's largest per-rank peak, the line is its budget; tests that declare
 no budget on a side are left out of that side's chart and counted under it, since a line needs a
 value for every bar. Stdlib only (matplotlib is imported when asked for): `python -m ci job` runs
-it with whatever Python the workflow has.
+it with whatever Python the workflow has. The report is read through `ci.report_input` (bounded,
+checked); text from it reaches the summary only escaped: a label keeps a small set of characters,
+so a node id cannot end Mermaid's string or the fenced block.
 """
 
 from __future__ import annotations
 
-import json
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ci.report_input import ReportError, code_span, load_report, printable
 
 MIB = 2**20
 SIDES = (("host", "host RSS"), ("device", "CUDA device memory"))
@@ -30,9 +35,14 @@ class Bar:
     budget: int
 
 
+# What a label may hold: anything else (quotes that end Mermaid's string, backticks that end the
+# fence, newlines, markup) becomes "?".
+_UNSAFE_LABEL = re.compile(r"[^A-Za-z0-9 _\-\[\].,:=+/()'@%*!~^|]")
+
+
 def _label(nodeid: str) -> str:
-    """The test's name without its file (`test_x[param]`), clipped; quotes would end Mermaid's string."""
-    name = nodeid.rsplit("::", 1)[-1].replace('"', "'")
+    """The test's name without its file (`test_x[param]`), clipped, in characters safe in Mermaid."""
+    name = _UNSAFE_LABEL.sub("?", nodeid.rsplit("::", 1)[-1].replace('"', "'"))
     return name if len(name) <= _LABEL_CHARS else name[: _LABEL_CHARS - 3] + "..."
 
 
@@ -83,24 +93,27 @@ def mermaid(report: dict[str, Any], side: str) -> str | None:
     return "\n".join(lines) + "\n"
 
 
-def _load(path: Path) -> dict[str, Any] | None:
+def _load(path: Path) -> dict[str, Any] | str:
+    """The checked report, or one line saying why there is none."""
     try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return report if isinstance(report, dict) else None
+        return load_report(path)
+    except ReportError as exc:
+        return printable(str(exc), 300)
 
 
 def memory_charts_markdown(report_path: Path) -> str:
-    """The summary's chart section ('' when the report is missing or nothing has a budget)."""
-    report = _load(report_path)
-    if report is None:
+    """The summary's chart section: '' when the report is missing or nothing has a budget, one
+    line when the report is unusable."""
+    if not Path(report_path).exists():
         return ""
+    report = _load(report_path)
+    if isinstance(report, str):
+        return f"Memory chart: none, the report is unusable ({report}).\n"
     blocks = [block for side, _ in SIDES if (block := mermaid(report, side))]
     if not blocks:
         return ""
     over = [
-        f"`{row['nodeid']}` ({side})"
+        f"{code_span(row['nodeid'])} ({side})"
         for row in report.get("tests", [])
         for side, _ in SIDES
         if isinstance(row.get(f"peak_{side}_bytes"), int)
@@ -115,9 +128,11 @@ def memory_charts_markdown(report_path: Path) -> str:
 
 def write_png(report_path: Path, png_path: Path) -> str:
     """Draw the charts into `png_path` with matplotlib; one line saying what happened (never raises on absence)."""
+    if not Path(report_path).exists():
+        return f"memory chart: no report at {printable(str(report_path))}, no PNG"
     report = _load(report_path)
-    if report is None:
-        return f"memory chart: no report at {report_path}, no PNG"
+    if isinstance(report, str):
+        return f"memory chart: the report is unusable, no PNG ({report})"
     sides = [(side, title, bars(report, side)[0]) for side, title in SIDES]
     sides = [entry for entry in sides if entry[2]]
     if not sides:
@@ -143,3 +158,24 @@ def write_png(report_path: Path, png_path: Path) -> str:
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return f"memory chart: {png_path}"
+
+
+def main(args: list[str]) -> int:
+    """``python -m ci chart [REPORT]``: the Mermaid charts, then the PNG beside the report.
+
+    A missing or unusable report is one line on stderr and exit code 2, never a traceback.
+    """
+    if len(args) > 1 or any(arg.startswith("-") for arg in args):
+        print(
+            f"python -m ci: error: chart: expected at most one report path, got {printable(str(args))}",
+            file=sys.stderr,
+        )
+        return 2
+    report = Path(args[0]) if args else Path("reports/kit-report.json")
+    loaded = _load(report) if report.is_file() else f"no report at {printable(str(report))}"
+    if isinstance(loaded, str):
+        print(f"python -m ci: error: chart: {loaded}", file=sys.stderr)
+        return 2
+    print(memory_charts_markdown(report) or "no rank test declares a memory budget: no chart")
+    print(write_png(report, report.with_name("kit-memory.png")))
+    return 0

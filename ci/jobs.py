@@ -280,12 +280,9 @@ def run_job(name: str, *, dry_run: bool = False) -> int:
     (reports / "nccl").mkdir(parents=True, exist_ok=True)
     for stale in ("kit-report.json", "kit-report.md"):
         (reports / stale).unlink(missing_ok=True)  # a previous run's report is not this run's
-    try:
-        returncode = subprocess.run(
-            job.command(), cwd=ROOT, env={**os.environ, **job.environment(reports)}
-        ).returncode
-    except KeyboardInterrupt:
-        returncode = 130
+    from ci.child import run_child  # SIGTERM/SIGINT reach pytest, and the summary is still written
+
+    returncode = run_child(job.command(), cwd=ROOT, env={**os.environ, **job.environment(reports)})
     from ci.charts import write_png
 
     print(
@@ -294,7 +291,7 @@ def run_job(name: str, *, dry_run: bool = False) -> int:
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         append_summary(job, reports, Path(summary))
-    return returncode if returncode >= 0 else 128 - returncode
+    return returncode
 
 
 def append_summary(job: Job, reports: Path, summary: Path) -> None:

@@ -22,11 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ci.report_input import MAX_REPORT_BYTES, ReportError, code_span, load_report, printable
 from megatron_testkit.diagnosis import RankRecord, classify
 from megatron_testkit.report import build_report, format_markdown
+from megatron_testkit.schema import MAX_GPUS, MAX_WORLD_SIZE
 
-_NODE = re.compile(r"^node[-_]?(\d+)$")
-_RANK = re.compile(r"^rank[-_]?(\d+)$")
+# Reports merged at once: one per process of the largest job the kit merges.
+MAX_SOURCES = MAX_WORLD_SIZE
+# Their summed size: each is read whole and merged in memory (parsed JSON is ~10x its text).
+MAX_TOTAL_BYTES = 8 * MAX_REPORT_BYTES
+
+_NODE = re.compile(r"^node[-_]?(\d{1,9})$")
+_RANK = re.compile(r"^rank[-_]?(\d{1,9})$")
 _FIRST_LINE = re.compile(r"^rank (\d+) (\w+): (?:([\w.]+): )?(.*)$")
 _WORST = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
 
@@ -46,22 +53,27 @@ def find_reports(dirs: list[Path], exclude: Path | None = None) -> list[Source]:
 
     A report outside any ``node<N>`` directory belongs to node ``i``, the position of its DIR.
     """
-    sources = []
+    sources: list[Source] = []
+    total = 0
     for index, base in enumerate(dirs):
         if not base.is_dir():
             raise ValueError(f"merge-reports: {base} is not a directory")
         for path in sorted(base.rglob("kit-report.json")):
             if exclude is not None and exclude.resolve() in path.resolve().parents:
                 continue
+            total += path.stat().st_size
+            if len(sources) >= MAX_SOURCES or total > MAX_TOTAL_BYTES:
+                raise ValueError(
+                    f"merge-reports: more than {MAX_SOURCES} reports or {MAX_TOTAL_BYTES} bytes under "
+                    f"{printable(str(base))}: not one job's reports"
+                )
             parts = path.resolve().parts
             node = next((int(m[1]) for p in reversed(parts) if (m := _NODE.match(p))), index)
             rank = next((int(m[1]) for p in reversed(parts) if (m := _RANK.match(p))), None)
             try:
-                report = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"merge-reports: {path} is not valid JSON: {exc}") from exc
-            if "tests" not in report or "session" not in report:
-                raise ValueError(f"merge-reports: {path} is not a kit report (no 'session'/'tests')")
+                report = load_report(path)  # bounded and checked field by field, as every reader does
+            except ReportError as exc:
+                raise ValueError(f"merge-reports: {printable(str(exc), 300)}") from None
             sources.append(Source(node, rank, path, report))
     if not sources:
         raise ValueError(f"merge-reports: no kit-report.json under {', '.join(map(str, dirs))}")
@@ -91,49 +103,33 @@ def _is_knock_on(failure: dict[str, Any]) -> bool:
     return record.knock_on
 
 
-def merge(sources: list[Source]) -> dict[str, Any]:
-    """The merged report, in the kit report's schema plus ``node`` on ranks and failures."""
-    rows: dict[str, dict[str, Any]] = {}
-    seen: set[tuple[int, int | None]] = set()
-    seen_tests: set[tuple[int, int | None, str]] = set()
-    world = 0
-    for source in sources:
-        for row in source.report["tests"]:
-            rank = _process_rank(source, row)
-            seen.add((source.node, rank))
-            seen_tests.add((source.node, rank, row["nodeid"]))
-            world = max(world, row.get("world_size") or 0)
-            merged = rows.setdefault(row["nodeid"], _empty_row(row["nodeid"]))
-            merged["outcome"] = max(merged["outcome"], row["outcome"], key=lambda o: _WORST.get(o, 0))
-            merged["duration_s"] = max(merged["duration_s"], row.get("duration_s") or 0.0)
-            merged["world_size"] = max(merged["world_size"], row.get("world_size") or 0)
-            merged["backend"] = merged["backend"] or row.get("backend")
-            merged["seed"] = merged["seed"] if merged["seed"] is not None else row.get("seed")
-            for key in ("budget_host_bytes", "budget_device_bytes"):
-                merged[key] = merged[key] if merged[key] is not None else row.get(key)
-            merged["leaked_processes"] += row.get("leaked_processes") or 0
-            for r in row.get("ranks", []):
-                merged["ranks"].append({**r, "node": source.node})
-            for key in ("peak_host_bytes", "peak_device_bytes"):
-                values = [v for v in (merged[key], row.get(key)) if v is not None]
-                merged[key] = max(values) if values else None
-            if row.get("failure"):
-                merged["failures"].append(
-                    {**row["failure"], "node": source.node, "process_rank": rank, "report": str(source.path)}
-                )
-    # Under torchrun every rank names the same root cause (the kit gathers each rank's outcome):
-    # the root's node is the node of the process that holds that rank, not of the reporting one.
-    rank_nodes = {rank: node for node, rank in seen if rank is not None}
-    for nodeid, merged in rows.items():
-        merged["ranks"].sort(key=lambda r: (r["rank"], r["node"]))
-        # Under torchrun each process is one rank: a test whose ranks all failed before the kit
-        # could record a launch still ran on as many ranks as processes reported it.
-        processes = {(node, rank) for node, rank, test in seen_tests if test == nodeid}
-        merged["world_size"] = max(merged["world_size"], len(processes))
-        merged["failure"] = _root(merged["failures"], rank_nodes)
-    expected = set(range(world))
+def _fold(merged: dict[str, Any], row: dict[str, Any], source: Source, rank: int | None) -> None:
+    """Fold one process' row of a test into the test's merged row."""
+    merged["outcome"] = max(merged["outcome"], row["outcome"], key=lambda o: _WORST.get(o, 0))
+    merged["duration_s"] = max(merged["duration_s"], row.get("duration_s") or 0.0)
+    merged["world_size"] = max(merged["world_size"], row.get("world_size") or 0)
+    merged["backend"] = merged["backend"] or row.get("backend")
+    merged["seed"] = merged["seed"] if merged["seed"] is not None else row.get("seed")
+    for key in ("budget_host_bytes", "budget_device_bytes"):
+        merged[key] = merged[key] if merged[key] is not None else row.get(key)
+    merged["leaked_processes"] += row.get("leaked_processes") or 0
+    for r in row.get("ranks", []):
+        merged["ranks"].append({**r, "node": source.node})
+    for key in ("peak_host_bytes", "peak_device_bytes"):
+        values = [v for v in (merged[key], row.get(key)) if v is not None]
+        merged[key] = max(values) if values else None
+    if row.get("failure"):
+        merged["failures"].append(
+            {**row["failure"], "node": source.node, "process_rank": rank, "report": str(source.path)}
+        )
+
+
+def _session(sources: list[Source], world: int, seen: set[tuple[int, int | None]]) -> dict[str, Any]:
+    """The merged session header: where each report came from, the nodes, the ranks with no report."""
+    expected = set(range(min(world, MAX_WORLD_SIZE)))
     ranks_seen = {rank for _node, rank in seen if rank is not None}
-    session = {
+    first = sources[0].report["session"]
+    return {
         "merged_from": [
             {
                 "node": s.node,
@@ -147,12 +143,40 @@ def merge(sources: list[Source]) -> dict[str, Any]:
         "nodes": sorted({s.node for s in sources}),
         "missing_ranks": sorted(expected - ranks_seen) if ranks_seen else [],
         "host": ", ".join(sorted({str(s.report["session"].get("host")) for s in sources})),
-        "cpu_count": sources[0].report["session"].get("cpu_count"),
-        "gpus": sum(s.report["session"].get("gpus") or 0 for s in sources if s.rank in (None, 0)),
-        "torch": sources[0].report["session"].get("torch"),
+        "cpu_count": first.get("cpu_count"),
+        "gpus": min(
+            sum(s.report["session"].get("gpus") or 0 for s in sources if s.rank in (None, 0)), MAX_GPUS
+        ),
+        "torch": first.get("torch"),
         "duration_s": max(s.report["session"].get("duration_s") or 0 for s in sources),
-        "markexpr": sources[0].report["session"].get("markexpr", ""),
+        "markexpr": first.get("markexpr", ""),
     }
+
+
+def merge(sources: list[Source]) -> dict[str, Any]:
+    """The merged report, in the kit report's schema plus ``node`` on ranks and failures."""
+    rows: dict[str, dict[str, Any]] = {}
+    seen: set[tuple[int, int | None]] = set()
+    seen_tests: set[tuple[int, int | None, str]] = set()
+    world = 0
+    for source in sources:
+        for row in source.report["tests"]:
+            rank = _process_rank(source, row)
+            seen.add((source.node, rank))
+            seen_tests.add((source.node, rank, row["nodeid"]))
+            world = max(world, row.get("world_size") or 0)
+            _fold(rows.setdefault(row["nodeid"], _empty_row(row["nodeid"])), row, source, rank)
+    # Under torchrun every rank names the same root cause (the kit gathers each rank's outcome):
+    # the root's node is the node of the process that holds that rank, not of the reporting one.
+    rank_nodes = {rank: node for node, rank in seen if rank is not None}
+    for nodeid, merged in rows.items():
+        merged["ranks"].sort(key=lambda r: (r["rank"], r["node"]))
+        # Under torchrun each process is one rank: a test whose ranks all failed before the kit
+        # could record a launch still ran on as many ranks as processes reported it.
+        processes = {(node, rank) for node, rank, test in seen_tests if test == nodeid}
+        merged["world_size"] = min(max(merged["world_size"], len(processes)), MAX_WORLD_SIZE)
+        merged["failure"] = _root(merged["failures"], rank_nodes)
+    session = _session(sources, world, seen)
     return _with_node_fields(build_report(session, list(rows.values())), list(rows.values()))
 
 
@@ -238,13 +262,14 @@ def format_merged_markdown(report: dict[str, Any]) -> str:
         for row in failing:
             root = row["failure"]
             lines.append(
-                f"- `{row['nodeid']}`: root cause node {root['node']}, rank {root.get('rank')}, "
-                f"{root.get('kind') or 'unnamed'}"
+                f"- {code_span(row['nodeid'], 300)}: root cause node {root['node']}, "
+                f"rank {root.get('rank')}, "
+                f"{printable(root.get('kind') or 'unnamed', 40)}"
             )
             for f in row["failures"]:
                 lines.append(
                     f"  - node {f['node']}, process rank {f['process_rank']}: "
-                    f"{(f.get('first_line') or '').replace('|', '/')}"
+                    f"{printable(f.get('first_line') or '', 300).replace('|', '/')}"
                 )
     return "\n".join(lines) + "\n"
 
@@ -272,6 +297,6 @@ def main(argv: list[str]) -> int:
     json_path, md_path = write(report, out)
     for row in report["tests"]:
         if row["failure"]:
-            print(f"{row['nodeid']}: {row['failure']['first_line']}")
+            print(f"{printable(row['nodeid'])}: {printable(row['failure']['first_line'], 300)}")
     print(f"merged {len(report['session']['merged_from'])} reports into {json_path} and {md_path}")
     return 0

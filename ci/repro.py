@@ -17,15 +17,18 @@ import argparse
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ci.child import start as start_child
+from ci.child import wait_forwarding
 from ci.jobs import DEVICE_MEMORY_ENV, HOST_MEMORY_ENV, JOBS, ROOT, TIERS, Job, job_for, pytest_args
 from ci.limits import METHODS, RANK_CGROUP_ENV, Kill, MemoryLimit, apply_memory_limit
+from ci.nodeids import check as check_nodeids
+from ci.report_input import printable
 from ci.verdicts import (
     ReportError,
     Verdict,
@@ -38,6 +41,7 @@ from ci.verdicts import (
     verdict,
 )
 from megatron_testkit.budgets import format_size, parse_size
+from megatron_testkit.schema import MAX_GPUS
 
 PROG = "python -m ci repro"
 
@@ -85,9 +89,8 @@ def _size(text: str | None, flag: str) -> int | None:
 
 
 def _gpus_of(session: dict[str, Any]) -> int:
+    """The report's GPU count (checked by the loader: an int in [0, MAX_GPUS], or absent)."""
     gpus = session.get("gpus")
-    if isinstance(gpus, list):
-        return len(gpus)
     return gpus if isinstance(gpus, int) and not isinstance(gpus, bool) else 0
 
 
@@ -154,6 +157,7 @@ class Plan:
     ci_junit: dict[tuple[str, str], str] = field(default_factory=dict)
     source: str | None = None
     stale: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _choose_job(name: str | None, ci_job: str | None, tier: str | None, gpus: int | None) -> Job:
@@ -172,13 +176,15 @@ def _choose_job(name: str | None, ci_job: str | None, tier: str | None, gpus: in
 
 def collected_ids(root: Path, nodeids: list[str], variables: dict[str, str]) -> set[str] | None:
     """Which of `nodeids` exist in `root` now: collects their files (not the ids: one stale id
-    makes pytest reject the whole command line). None when collection itself failed."""
+    makes pytest reject the whole command line). None when collection itself failed.
+
+    Only for ids `ci.nodeids.check` accepted (test files of the project), given after ``--``."""
     files = sorted({nodeid.split("::", 1)[0] for nodeid in nodeids})
     present = [f for f in files if (root / f).is_file()]
     if not present:
         return set()
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", *present],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", "--", *present],
         cwd=root,
         env=environment(variables),
         capture_output=True,
@@ -189,44 +195,75 @@ def collected_ids(root: Path, nodeids: list[str], variables: dict[str, str]) -> 
     return {line.strip() for line in out.stdout.splitlines() if "::" in line}
 
 
-def plan(args: argparse.Namespace) -> Plan | None:
-    """The run the arguments ask for; None when a report has no failures (nothing to rerun)."""
+@dataclass
+class FromReport:
+    """What a CI report asks to rerun: its failed tests, their JUnit first lines, its session header."""
+
+    path: str
+    failed: list[dict[str, Any]]
+    junit: dict[tuple[str, str], str]
+    session: dict[str, Any]
+
+    @property
+    def tier(self) -> str | None:
+        marked = str(self.session.get("markexpr") or "").split(" ")[0]  # "L0" or "L0 and gpu"
+        return marked if marked in TIERS else None
+
+    @property
+    def ci_job(self) -> str | None:
+        """The row the CI job ran (KIT_CI_JOB, recorded by the plugin), when it is a row here."""
+        name = self.session.get("ci_job")
+        return name if name in JOBS else None
+
+
+def _read_ci_report(path: str) -> FromReport:
+    try:
+        report = load_report(path)
+    except ReportError as exc:
+        raise UsageError(str(exc)) from None
+    # The artifact holds junit.xml beside the report: first lines of in-process failures.
+    junit = junit_first_lines(Path(path).with_name("junit.xml")) if failed_tests(report) else {}
+    return FromReport(path, failed_tests(report), junit, report["session"])
+
+
+def _check_arguments(args: argparse.Namespace) -> Path:
+    """The project root, once the arguments that need no report are known to be usable."""
     if args.tier is not None and args.tier not in TIERS:
         raise UsageError(f"unknown tier {args.tier!r}: expected one of {', '.join(TIERS)}")
-    if args.gpus is not None and args.gpus < 0:
-        raise UsageError(f"--gpus must be 0 or more, got {args.gpus}")
+    if args.gpus is not None and not 0 <= args.gpus <= MAX_GPUS:
+        raise UsageError(f"--gpus must be 0 to {MAX_GPUS}, got {args.gpus}")
     _size(args.host_memory, "--host-memory")
     _size(args.device_memory, "--device-memory")
     root = Path(args.root).resolve()
     if not root.is_dir():
         raise UsageError(f"--root {args.root} is not a directory")
+    return root
 
+
+def _select(p: Plan, dry_run: bool) -> list[str]:
+    """The report's failed ids that may run: checked (refused and stale ones noted on the plan)."""
+    checked = check_nodeids(p.root, [test["nodeid"] for test in p.ci_failed], use_git=not dry_run)
+    p.refused, p.stale = checked.refused, checked.stale
+    if checked.accepted and not dry_run:
+        # A parametrized id whose parameter is gone is found only by collecting its (checked) file.
+        present = collected_ids(p.root, checked.accepted, p.variables)
+        if present is not None:
+            p.stale += [nodeid for nodeid in checked.accepted if nodeid not in present]
+            return [nodeid for nodeid in checked.accepted if nodeid in present]
+    return checked.accepted
+
+
+def plan(args: argparse.Namespace) -> Plan | None:
+    """The run the arguments ask for; None when a report has no failures (nothing to rerun)."""
+    root = _check_arguments(args)
     tier, gpus = args.tier, args.gpus
-    ci_job: str | None = None
-    ci_failed: list[dict[str, Any]] = []
-    ci_junit: dict[tuple[str, str], str] = {}
-    source = None
-    if args.from_report:
-        try:
-            ci_report = load_report(args.from_report)
-        except ReportError as exc:
-            raise UsageError(str(exc)) from None
-        ci_failed = failed_tests(ci_report)
-        if not ci_failed:
+    ci = _read_ci_report(args.from_report) if args.from_report else None
+    if ci is not None:
+        if not ci.failed:
             return None
-        # The artifact holds junit.xml beside the report: first lines of in-process failures.
-        ci_junit = junit_first_lines(Path(args.from_report).with_name("junit.xml"))
-        session = ci_report.get("session", {})
-        marked = str(session.get("markexpr") or "").split(" ")[0]  # "L0" or "L0 and gpu"
-        if tier is None and marked in TIERS:
-            tier = marked
-        if gpus is None:
-            gpus = _gpus_of(session)
-        if isinstance(session.get("ci_job"), str) and session["ci_job"] in JOBS:
-            ci_job = session["ci_job"]  # the row the CI job ran (KIT_CI_JOB, recorded by the plugin)
-        source = f"{len(ci_failed)} failed test(s) from {args.from_report}"
-
-    job = _choose_job(args.job, ci_job, tier, gpus)
+        tier = tier or ci.tier
+        gpus = _gpus_of(ci.session) if gpus is None else gpus
+    job = _choose_job(args.job, ci.ci_job if ci else None, tier, gpus)
     gpus = job.gpus if gpus is None else gpus
     reports = Path(args.reports).resolve() if args.reports else root / "reports" / "repro"
     host = args.host_memory or job.host_memory
@@ -234,16 +271,7 @@ def plan(args: argparse.Namespace) -> Plan | None:
     command = [sys.executable, "-m", "pytest", *pytest_args(job, reports)]
     if args.keyword:
         command += ["-k", args.keyword]
-    variables = job_variables(job, reports, gpus, host, device)
-    stale: list[str] = []
-    if ci_failed:
-        # A test renamed or removed since the CI run is reported and skipped; the others rerun.
-        present = collected_ids(root, [test["nodeid"] for test in ci_failed], variables)
-        if present is not None:
-            stale = [test["nodeid"] for test in ci_failed if test["nodeid"] not in present]
-    command += [test["nodeid"] for test in ci_failed if test["nodeid"] not in stale]
-    command += args.pytest_args
-    return Plan(
+    p = Plan(
         job=job,
         gpus=gpus,
         host=host,
@@ -251,13 +279,17 @@ def plan(args: argparse.Namespace) -> Plan | None:
         host_bytes=_size(host, "host memory"),
         reports=reports,
         root=root,
-        command=command,
-        variables=variables,
-        ci_failed=ci_failed,
-        ci_junit=ci_junit,
-        source=source,
-        stale=stale,
+        command=command + args.pytest_args,
+        variables=job_variables(job, reports, gpus, host, device),
+        ci_failed=ci.failed if ci else [],
+        ci_junit=ci.junit if ci else {},
+        source=f"{len(ci.failed)} failed test(s) from {ci.path}" if ci else None,
     )
+    if ci is not None:
+        # A test renamed or removed since the CI run is reported and skipped; the others rerun.
+        selected = _select(p, args.dry_run)
+        p.command += ["--", *selected] if selected else []
+    return p
 
 
 def run_limited(p: Plan, limit: MemoryLimit) -> tuple[int, list[Kill]]:
@@ -267,13 +299,9 @@ def run_limited(p: Plan, limit: MemoryLimit) -> tuple[int, list[Kill]]:
         # For a launcher that joins the group itself at rank start (no adoption window) and reads
         # its counters for the verdict; the watcher below does both meanwhile.
         env[RANK_CGROUP_ENV] = str(limit.cgroup)
-    proc = subprocess.Popen(p.command, cwd=p.root, env=env)
+    proc = start_child(p.command, cwd=p.root, env=env)
     watcher = limit.watch(proc.pid) if limit.limit_bytes is not None else None
-    try:
-        returncode = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
-        returncode = proc.wait()
+    returncode = wait_forwarding(proc)  # a SIGTERM/SIGINT to repro stops pytest, which reports
     kills = watcher.stop() if watcher is not None else []
     for error in watcher.errors if watcher is not None else []:
         _say(f"warning: {error}")
@@ -316,7 +344,7 @@ def execute(p: Plan, limit_method: str) -> int:
     except (OSError, subprocess.SubprocessError) as exc:
         raise UsageError(f"--limit-method {limit_method}: {exc}") from None
     _say(f"runner memory limit: {limit.describe()}")
-    _say(shlex.join(p.command))
+    _say(printable(shlex.join(p.command)))
     _clean(p.reports)
     kills: list[Kill] = []
     try:
@@ -340,13 +368,13 @@ def execute(p: Plan, limit_method: str) -> int:
         }
         if p.ci_failed:
             ci = [verdict(test, p.ci_junit) for test in p.ci_failed]
-            print(format_comparison(ci, here, p.stale), flush=True)
+            print(format_comparison(ci, here, p.stale, refused=dict(p.refused)), flush=True)
         else:
             failed = [here[test["nodeid"]] for test in failed_tests(local)]
             print(format_verdicts(failed) if failed else f"no failures ({_counts(local)})", flush=True)
     elif kills:
         for kill in kills:
-            _say(f"FAILED {kill.nodeid}: rank {kill.rank} oom: {kill.reason}")
+            _say(f"FAILED {printable(kill.nodeid)}: rank {kill.rank} oom: {printable(kill.reason)}")
     usage = ""
     if limit.limit_bytes is not None:
         if limit.method == "env":
@@ -375,22 +403,16 @@ def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     p = plan(args)
     if p is None:
-        _say(f"no failed tests in {args.from_report}: nothing to rerun")
+        _say(f"no failed tests in {printable(args.from_report)}: nothing to rerun")
         return 0
     job = p.job
-    if p.stale:
-        _say(
-            f"{len(p.stale)} failed test(s) of the report do not exist here (renamed or removed since "
-            f"the CI run?), skipped: {', '.join(p.stale)}"
-        )
-        if len(p.stale) == len(p.ci_failed):
-            _say("none of the report's failed tests exists here: nothing to rerun")
-            return 1
+    if not _say_what_is_left_out(p):
+        return 1
     _say(
         f"job {job.name} (tier {job.tier}, runs-on {', '.join(job.runs_on)}){': ' + p.source if p.source else ''}"
     )
     _say(
-        f"runner memory {p.host or '-'}; per-GPU memory {p.device or '-'}; GPUs {p.gpus} (visible here: {_visible_gpus()})"
+        f"runner memory {p.host or '-'}; per-GPU memory {p.device or '-'}; GPUs {p.gpus} (visible here: {'not checked (--dry-run)' if args.dry_run else _visible_gpus()})"
     )
     installed = _installed_megatron_core()
     if installed != job.megatron_core:
@@ -401,9 +423,28 @@ def run(argv: list[str]) -> int:
         )
     if args.dry_run:
         _say("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.variables.items())))
-        _say(shlex.join(p.command))
+        _say(printable(shlex.join(p.command)))
         return 0
     return execute(p, args.limit_method)
+
+
+def _say_what_is_left_out(p: Plan) -> bool:
+    """Name the report's ids that are refused or stale; whether any of its failed tests is left to run."""
+    if p.refused:
+        _say(
+            f"{len(p.refused)} id(s) of the report refused, not run (not a test of this project): "
+            + "; ".join(f"{printable(nodeid, 200)} ({why})" for nodeid, why in p.refused)
+        )
+    if p.stale:
+        _say(
+            f"{len(p.stale)} failed test(s) of the report do not exist here (renamed or removed since "
+            f"the CI run?), skipped: {', '.join(printable(nodeid, 200) for nodeid in p.stale)}"
+        )
+    if p.ci_failed and len(p.stale) + len(p.refused) == len(p.ci_failed):
+        what = "exists" if not p.refused else "can run"
+        _say(f"none of the report's failed tests {what} here: nothing to rerun")
+        return False
+    return True
 
 
 def _installed_megatron_core() -> str | None:

@@ -1,7 +1,8 @@
 """Reads a kit report (`reports/kit-report.json`) and states, per failed test, what went wrong.
 
 The report is written by the kit's plugin; its schema (field names, `REPORT_VERSION`) is defined
-once, typed, in `megatron_testkit.schema`, and read here through it. A verdict is the line a developer needs first: which test, which rank, `oom | error |
+once, typed, in `megatron_testkit.schema`, and read through `ci.report_input` (bounded, checked,
+fail closed); text from a report is escaped before it is printed. A verdict is the line a developer needs first: which test, which rank, `oom | error |
 crash | hang`, the first error line, and the peak memory against the budget. Reading is strict
 about what it needs (a report that cannot be used is a `ReportError` with one line saying why) and
 lenient about the rest (missing optional fields print as "-").
@@ -9,41 +10,20 @@ lenient about the rest (missing optional fields print as "-").
 
 from __future__ import annotations
 
-import json
 import xml.etree.ElementTree as ET
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The one loader, re-exported for the readers that import it from here.
+from ci.report_input import ReportError as ReportError
+from ci.report_input import load_report as load_report
+from ci.report_input import printable
 from megatron_testkit.budgets import format_size
-from megatron_testkit.schema import Report, SchemaError, TestEntry
+from megatron_testkit.schema import TestEntry
 
 FAILED = ("failed", "error")
-
-
-class ReportError(ValueError):
-    """A report that is missing, not JSON, or not a version-1 kit report."""
-
-
-def load_report(path: Path | str) -> dict[str, Any]:
-    """The parsed report, checked for the fields `repro` relies on."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ReportError(f"cannot read report {path}: {exc.strerror or exc}") from None
-    try:
-        report = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ReportError(f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
-    try:
-        Report.from_json(report)
-    except SchemaError as exc:
-        if str(exc).startswith("not a version"):
-            raise ReportError(f"{path} is {exc}") from None
-        raise ReportError(f"{path}: {exc}") from None
-    return report
 
 
 def failed_tests(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -169,14 +149,14 @@ def verdict(test: dict[str, Any], junit: dict[tuple[str, str], str] | None = Non
 
 
 def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    return printable(text, width)
 
 
 def format_verdicts(verdicts: list[Verdict], width: int = 160) -> str:
     """One block per failed test: the cause on the first line, the error and the memory below."""
     lines = []
     for v in verdicts:
-        lines.append(f"FAILED {v.nodeid}: {v.cause}")
+        lines.append(f"FAILED {printable(v.nodeid)}: {printable(v.cause, 80)}")
         if v.first_line:
             lines.append(f"    {_clip(v.first_line, width)}")
         if v.world_size is None and v.peak_host is None and v.peak_device is None:
@@ -191,18 +171,28 @@ def _launched_ranks(v: Verdict) -> bool:
 
 
 def format_comparison(
-    ci: list[Verdict], local: dict[str, Verdict], stale: Collection[str] = (), width: int = 160
+    ci: list[Verdict],
+    local: dict[str, Verdict],
+    stale: Collection[str] = (),
+    width: int = 160,
+    refused: Mapping[str, str] | None = None,
 ) -> str:
     """For each test that failed in CI: the CI verdict next to the local one, then what differs.
 
-    A stale id (no such test here any more) says so instead of "not run"; a test that launched no
+    A stale id (no such test here any more) says so instead of "not run", and so does an id
+    refused as not a test of this project (`refused`: id -> reason); a test that launched no
     ranks has no seed, world size or rank peaks to compare, and says that instead.
     """
     lines = []
     for v in ci:
         here = local.get(v.nodeid)
-        lines.append(v.nodeid)
-        lines.append(f"    CI:    {v.outcome:<7} {v.cause:<16} {_clip(v.first_line, width)}".rstrip())
+        lines.append(printable(v.nodeid))
+        lines.append(
+            f"    CI:    {v.outcome:<7} {printable(v.cause, 80):<16} {_clip(v.first_line, width)}".rstrip()
+        )
+        if refused and v.nodeid in refused:
+            lines.append(f"    local: refused, not run: {refused[v.nodeid]}")
+            continue
         if v.nodeid in stale:
             lines.append("    local: skipped: no such test here (renamed or removed since the CI run)")
             continue
@@ -210,7 +200,7 @@ def format_comparison(
             lines.append("    local: not run (deselected, or skipped at collection?)")
             continue
         lines.append(
-            f"    local: {here.outcome:<7} {here.cause:<16} {_clip(here.first_line, width)}".rstrip()
+            f"    local: {here.outcome:<7} {printable(here.cause, 80):<16} {_clip(here.first_line, width)}".rstrip()
         )
         if not (_launched_ranks(v) or _launched_ranks(here)):
             lines.append(

@@ -9,11 +9,15 @@ the same seeds and world sizes, printing the CI verdict next to the local one.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +271,104 @@ def test_a_rank_past_the_runners_memory_is_named_oom_and_pytest_survives(tmp_pat
     assert f"ci repro: report {md}," in out and md.exists()
     assert "test_grows.py::test_grows`: rank 1 oom" in md.read_text()
     assert not _kit_ranks_alive(), "no rank outlived the run"
+
+
+# ---- a hostile report, a stop request ------------------------------------------------------------
+
+
+@pytest.mark.L0
+def test_a_hostile_report_cannot_make_repro_delete_the_clones_git_folder(tmp_path: Path) -> None:
+    """The attack as found: `README.md` made the stale-id collection fail, which then filtered
+    nothing, and `--basetemp=.git` reached pytest, which emptied `.git` at session start."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    (clone / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
+    (clone / "README.md").write_text("# a project\n")
+    (clone / "test_tmp.py").write_text(
+        "import pytest\n\n\n@pytest.mark.L0\ndef test_uses_tmp_path(tmp_path):\n    assert False, 'planted'\n"
+    )
+    git = ["git", "-C", str(clone), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "a project"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    ids = ["README.md", "--basetemp=.git", "test_tmp.py::test_uses_tmp_path", "-p", "--rootdir=/"]
+    report = tmp_path / "artifact" / "kit-report.json"
+    report.parent.mkdir()
+    report.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "session": {"markexpr": "L0"},
+                "tests": [{"nodeid": i, "outcome": "failed"} for i in ids],
+            }
+        )
+    )
+    result = repro("--from-report", str(report), "--root", str(clone), "--reports", str(tmp_path / "out"))
+    status = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True)
+    assert status.returncode == 0 and (clone / ".git" / "HEAD").is_file(), status.stderr
+    assert result.stdout.startswith("ci repro: 4 id(s) of the report refused, not run"), result.stdout[:2000]
+    # The one real test ran (and failed as planted); nothing else reached pytest's command line.
+    local = json.loads((tmp_path / "out" / "kit-report.json").read_text())
+    assert [(t["nodeid"], t["outcome"]) for t in local["tests"]] == [
+        ("test_tmp.py::test_uses_tmp_path", "failed")
+    ]
+
+
+SLOW = textwrap.dedent(
+    """
+    import os
+    import time
+
+    import pytest
+
+
+    @pytest.mark.L0
+    def test_slow():
+        with open(os.environ["SLOW_PID_FILE"], "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(120)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_to_repro_stops_its_pytest_and_repro_reports_after_it(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """A CI cancel signals `python -m ci repro` alone: before, repro died and its pytest slept on."""
+    root = tmp_path / "slow"
+    root.mkdir()
+    (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
+    (root / "test_slow.py").write_text(SLOW)
+    pid_file = tmp_path / "pytest.pid"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ci", "repro", "L0", "--root", str(root), "--reports", str(tmp_path / "out"),
+         "--limit-method", "env"],
+        cwd=ROOT, env={**os.environ, "SLOW_PID_FILE": str(pid_file)},
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    pid = None
+    try:
+        deadline = time.monotonic() + 300
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "the test never started"
+            time.sleep(0.1)
+        pid = int(pid_file.read_text())
+        proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=120)
+        assert not _alive(pid), "pytest outlived repro"
+        assert "=" * 30 + " verdicts " in out, out[-3000:]  # repro went on after its pytest ended
+        assert proc.returncode != 0
+    finally:
+        proc.kill()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -8,11 +8,33 @@ dataclass field names below and do not change without a new `REPORT_VERSION`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import math
+import types
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 REPORT_VERSION = 1
 OUTCOMES = ("passed", "failed", "skipped", "error")
+
+# Bounds on what a report read back may hold. A report comes from a CI artifact, which a fork's
+# pull request controls, so every size and count in it is bounded before anything is built from it.
+# The largest multi-node job the kit merges; sets and lists of ranks are built from world sizes.
+MAX_WORLD_SIZE = 1 << 16
+# GPUs of one session (merged reports sum nodes); repro writes CUDA_VISIBLE_DEVICES from it.
+MAX_GPUS = 1 << 12
+# Rows of one report: the whole suite is a few thousand tests, parametrized ones included.
+MAX_TESTS = 100_000
+# Counts (launches, leaked processes) and other list lengths, e.g. the session's pytest arguments.
+MAX_COUNT = 1 << 20
+# A node id: pytest's ids are a path plus names and parameters, well under this.
+MAX_NODEID_CHARS = 4096
+# Any other text (a failure's message: the writer keeps its last 20 000 characters; a hang's
+# stacks of every rank can be longer).
+MAX_TEXT_CHARS = 1 << 20
+# Integers are C int64 where the kit writes them; floats (durations, epoch seconds) are finite.
+MAX_INT = 2**63 - 1
+MAX_FLOAT = 1e15
 
 
 class SchemaError(ValueError):
@@ -235,3 +257,99 @@ class Report:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- checking a report read back: every field typed and bounded, fail closed -----------------
+
+# Fields a row cannot do without; the others have defaults or read leniently when absent.
+_REQUIRED = {"TestEntry": ("nodeid", "outcome"), "RankPeak": ("rank",)}
+# Integer fields with a narrower range than +-MAX_INT: (low, high), both included; sizes in bytes
+# (``*_bytes``) are 0 to MAX_INT.
+_INT_RANGES = {
+    "world_size": (0, MAX_WORLD_SIZE),
+    "rank": (0, MAX_WORLD_SIZE - 1),
+    "gpus": (0, MAX_GPUS),
+    "cpu_count": (0, MAX_COUNT),
+    "launches": (0, MAX_COUNT),
+    "leaked_processes": (0, MAX_COUNT),
+}
+_TEXT_LIMITS = {"nodeid": MAX_NODEID_CHARS}
+_LIST_LIMITS = {"ranks": MAX_WORLD_SIZE, "tests": MAX_TESTS}
+
+
+def check_report(data: Any) -> Report:
+    """`data` checked field by field against the dataclasses' types and the bounds above.
+
+    Fail closed: a field of another type (a string where an int belongs, an object where text
+    belongs), a number or text past its bound, or an unknown outcome raises `SchemaError` naming
+    the field. Keys the schema does not define are ignored (never read). The session header is
+    checked for the fields `Session` defines and ``outcome_counts``; its other keys are dropped.
+    """
+    if isinstance(data, dict) and isinstance(data.get("tests"), list) and len(data["tests"]) > MAX_TESTS:
+        raise SchemaError(f"tests has more than {MAX_TESTS} entries")
+    Report.from_json(data)  # the structure first: version, 'tests' list, 'session' object, required keys
+    _check_value(data["tests"], list[TestEntry], "tests", "tests")
+    session = _check_session(data.get("session", {}))
+    return Report.from_json({"version": REPORT_VERSION, "session": session, "tests": data["tests"]})
+
+
+def _check_session(session: dict[str, Any]) -> dict[str, Any]:
+    hints = typing.get_type_hints(Session)
+    out: dict[str, Any] = {}
+    for name, kind in hints.items():
+        if session.get(name) is not None:
+            out[name] = _check_value(session[name], kind, f"session.{name}", name)
+    counts = session.get("outcome_counts")
+    if counts is not None:
+        if not isinstance(counts, dict) or len(counts) > len(OUTCOMES):
+            raise SchemaError("session.outcome_counts is not an object of outcome counts")
+        for outcome, n in counts.items():
+            _check_value(outcome, str, "session.outcome_counts", "outcome")
+            _check_value(n, int, f"session.outcome_counts.{outcome}", "tests")
+        out["outcome_counts"] = dict(counts)
+    return out
+
+
+def _check_value(value: Any, kind: Any, where: str, name: str) -> Any:
+    """`value` if it is of type `kind` within the bounds for field `name`, else `SchemaError`."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return value
+        kind = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is list:
+        limit = _LIST_LIMITS.get(name, MAX_COUNT)
+        if not isinstance(value, list) or len(value) > limit:
+            raise SchemaError(f"{where} is not a list of at most {limit} entries")
+        for i, item in enumerate(value):
+            _check_value(item, args[0], f"{where}[{i}]", name)
+        return value
+    if is_dataclass(kind):
+        return _check_object(value, kind, where)
+    if kind is int:
+        low, high = _INT_RANGES.get(name, (0 if name.endswith("_bytes") else -MAX_INT, MAX_INT))
+        if not _is_int(value) or not low <= value <= high:
+            raise SchemaError(f"{where} is not an integer in [{low}, {high}]")
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or abs(value) > MAX_FLOAT:
+            raise SchemaError(f"{where} is not a finite number")
+    elif kind is str:
+        limit = _TEXT_LIMITS.get(name, MAX_TEXT_CHARS)
+        if not isinstance(value, str) or len(value) > limit:
+            raise SchemaError(f"{where} is not text of at most {limit} characters")
+        if name == "outcome" and value not in OUTCOMES:
+            raise SchemaError(f"{where} is not one of {', '.join(OUTCOMES)}")
+    return value
+
+
+def _check_object(value: Any, cls: type, where: str) -> Any:
+    if not isinstance(value, dict):
+        raise SchemaError(f"{where} is not an object")
+    required = _REQUIRED.get(cls.__name__, ())
+    for name, kind in typing.get_type_hints(cls).items():
+        # null reads as absent (the field's default) for every field a row can do without
+        if value.get(name) is not None or name in required:
+            _check_value(value.get(name), kind, f"{where}.{name}", name)
+    return value

@@ -134,3 +134,60 @@ def test_python_m_ci_chart_prints_the_chart(tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert missing.returncode == 2 and "no report at" in missing.stderr and missing.stdout == ""
+
+
+# ---- a report is untrusted input -----------------------------------------------------------------
+
+BREAKOUT = 'functional/test_x.py::test_a"]\n```\n<img src=x onerror=alert(1)>\n`x`\x1b[2J\n```mermaid'
+
+
+def test_a_node_id_cannot_leave_the_mermaid_block_or_its_code_span(tmp_path: Path) -> None:
+    report = {"version": 1, "session": {}, "tests": [row(BREAKOUT, 2, 900 * MiB, 768 * MiB)]}
+    path = tmp_path / "kit-report.json"
+    path.write_text(json.dumps(report))
+    text = memory_charts_markdown(path)
+    lines = text.splitlines()
+    # Exactly one fenced block, opened and closed by the chart itself.
+    assert [line for line in lines if line.startswith("```")] == ["```mermaid", "```"]
+    axis = next(line for line in lines if line.startswith("    x-axis"))
+    assert axis.count('"') == 2, axis  # the label's own quotes only
+    over = next(line for line in lines if line.startswith("Over budget: "))
+    assert over.count("`") == 2 and "\\n" in over and "\\x1b" in over, over
+    assert all(ch.isprintable() for line in lines for ch in line)
+    assert "\n<img" not in text
+
+
+MALFORMED = {
+    "not JSON": "{ nope",
+    "a list": "[1, 2]",
+    "tests of another type": '{"version": 1, "session": {}, "tests": {"a": 1}}',
+    "a row that is a number": '{"version": 1, "session": {}, "tests": [1]}',
+    "a peak as text": '{"version": 1, "tests": [{"nodeid": "t.py::a", "outcome": "passed", "world_size": 2, "peak_host_bytes": "9"}]}',
+    "world size as text": '{"version": 1, "tests": [{"nodeid": "t.py::a", "outcome": "passed", "world_size": "2"}]}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_report_is_one_line_exit_2_never_a_traceback(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ci.charts import main
+
+    path = tmp_path / "kit-report.json"
+    path.write_text(MALFORMED[case])
+    assert main([str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("python -m ci: error: chart: "), err
+    # The job summary's reader says so in one line too, and the PNG writer does not raise.
+    assert memory_charts_markdown(path).startswith("Memory chart: none, the report is unusable (")
+    assert write_png(path, tmp_path / "kit-memory.png").startswith("memory chart: the report is unusable")
+    # Through `python -m ci chart`: the same one line, exit 2.
+    result = subprocess.run(
+        [sys.executable, "-m", "ci", "chart", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -164,3 +166,78 @@ def test_a_pack_whose_dense_equivalent_is_past_int64_still_gets_its_exact_count(
     assert data["model_flops"] == llama3_8b_flops([1000, 3000], 4 * 10**9)[0]
     assert data["hardware_flops"] == llama3_8b_flops([1000, 3000], 4 * 10**9)[1]
     assert data["dense_pack_flops"] == llama3_8b_flops([4 * 10**9], 4 * 10**9)[0]
+
+
+# ---- list input is bounded and never echoed -----------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["1__0", "1_", "_1", "0x10", "1e3", "\u0663", "+-1", "1" * 41])
+def test_every_malformed_number_is_one_line_naming_its_entry(text, capsys):
+    """`1__0` passed the old check's digits-and-underscores test and ended in a StopIteration."""
+    from accounting.cli import main
+
+    assert main(["flops", "--preset", "llama3-8b", "--docs", f"4,{text}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert "entry 1 in the argument is not an integer" in err and "Traceback" not in err
+
+
+def test_an_error_in_a_list_file_names_the_entry_never_the_files_text(tmp_path, capsys):
+    from accounting.cli import main
+
+    path = tmp_path / "secret.txt"
+    path.write_text("4096,2048\nSECRET-TOKEN-abcdef,1024\n")
+    assert main(["flops", "--preset", "llama3-8b", "--docs", f"@{path}"]) == 2
+    err = capsys.readouterr().err
+    assert "SECRET" not in err and f"entry 2 in {str(path)!r} is not an integer" in err, err
+
+
+def _cli_in(memory: int, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m accounting ARGS` under an address-space limit (importing torch takes ~650 MB)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    return subprocess.run(
+        [sys.executable, "-m", "accounting", *args],
+        preexec_fn=limit, capture_output=True, text=True, timeout=120, check=False, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "fifo", "directory", "oversized"])
+def test_a_list_source_that_is_not_a_bounded_regular_file_is_refused_in_bounded_memory(tmp_path, source):
+    """`@/dev/zero` grew until the OOM killer; a FIFO nobody writes waited forever."""
+    from accounting.cli_input import MAX_LIST_BYTES
+
+    path = {"/dev/zero": Path("/dev/zero"), "fifo": tmp_path / "fifo", "directory": tmp_path}.get(
+        source, tmp_path / "big.txt"
+    )
+    if source == "fifo":
+        os.mkfifo(path)
+    if source == "oversized":
+        with open(path, "wb") as f:
+            f.truncate(MAX_LIST_BYTES + 1)  # sparse: no disk used
+    result = _cli_in(2 << 30, "flops", "--preset", "llama3-8b", "--docs", f"@{path}")
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
+    says = {"oversized": f"holds more than {MAX_LIST_BYTES} bytes", "directory": "Is a directory"}.get(
+        source, "is not a regular file"
+    )
+    assert result.stderr.count("\n") == 1 and says in result.stderr, result.stderr[-2000:]
+
+
+def test_stdin_past_the_bound_is_refused_and_at_dash_reads_stdin():
+    from accounting.cli_input import MAX_LIST_BYTES
+
+    big = _cli_in(
+        2 << 30, "flops", "--preset", "llama3-8b", "--docs", "@-", input="1," * (MAX_LIST_BYTES // 2 + 1)
+    )
+    assert big.returncode == 2 and f"stdin holds more than {MAX_LIST_BYTES} bytes" in big.stderr, big.stderr[
+        -2000:
+    ]
+    small = subprocess.run(
+        [sys.executable, "-m", "accounting", "flops", "--preset", "llama3-8b", "--docs", "@-", "--json"],
+        input="4096 2048\n1024,1024", capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert small.returncode == 0, small.stderr
+    assert json.loads(small.stdout)["model_flops"] == llama3_8b_flops([4096, 2048, 1024, 1024], 8192)[0]

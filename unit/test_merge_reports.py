@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ci import merge_reports
+from ci.jobs import ROOT
 
 pytestmark = pytest.mark.L0
 
@@ -123,3 +128,70 @@ def test_cli_writes_json_and_markdown_and_rejects_bad_input(
     (tmp_path / "empty").mkdir()
     assert main(["merge-reports", str(tmp_path / "out3"), str(tmp_path / "empty")]) == 2
     assert "no kit-report.json" in capsys.readouterr().err
+
+
+# ---- a report is untrusted input -----------------------------------------------------------------
+
+
+def _merge_in(memory: int, out: Path, reports: Path) -> subprocess.CompletedProcess[str]:
+    """`python -m ci merge-reports` under an address-space limit (a MemoryError past it)."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    return subprocess.run(
+        [sys.executable, "-m", "ci", "merge-reports", str(out), str(reports)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, preexec_fn=limit,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        # One world size of 10^7 made a 1.3 GB merge and a 238 MB file of "missing" ranks.
+        ({"world_size": 10**7}, "tests[0].world_size is not an integer in [0, 65536]"),
+        ({"world_size": "4"}, "tests[0].world_size is not an integer"),
+        ({"ranks": [{"rank": 10**9}]}, "tests[0].ranks[0].rank is not an integer in [0, 65535]"),
+        ({"duration_s": [1]}, "tests[0].duration_s is not a finite number"),
+        ({"failure": {"rank": 0, "first_line": ["x"]}}, "tests[0].failure.first_line is not text"),
+        ({"outcome": {"worst": True}}, "tests[0].outcome is not text"),
+    ],
+    ids=[
+        "world_size 10^7",
+        "world_size text",
+        "rank 10^9",
+        "duration list",
+        "first line list",
+        "outcome object",
+    ],
+)
+def test_a_source_outside_the_schema_or_its_bounds_is_one_line_exit_2_in_bounded_memory(
+    tmp_path: Path, change: dict[str, Any], says: str
+) -> None:
+    _job(tmp_path / "reports", planted=2)
+    path = tmp_path / "reports" / "node1" / "rank3" / "kit-report.json"
+    report = json.loads(path.read_text())
+    report["tests"][0].update(change)
+    path.write_text(json.dumps(report))
+    result = _merge_in(1 << 30, tmp_path / "out", tmp_path / "reports")  # the interpreter needs ~100 MiB
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+    assert str(path) in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_text_from_the_reports_is_printed_and_written_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hostile = "rank 0 oom: MemoryError: \x1b[2J\x1b]0;pwned\x07\n| `x` |"
+    for rank in range(2):
+        failure = {"rank": 0, "kind": "oom\x1b[8m", "first_line": hostile}
+        _write(tmp_path / "reports", 0, rank, [_row("t.py::test_`bad`\x1b[1m", "failed", rank, failure)])
+    assert merge_reports.main([str(tmp_path / "out"), str(tmp_path / "reports")]) == 0
+    out = capsys.readouterr().out
+    markdown = (tmp_path / "out" / "kit-report.md").read_text()
+    failures = markdown[markdown.index("### Failures by node and rank") :]
+    for text in (out, failures):
+        assert all(ch.isprintable() for line in text.splitlines() for ch in line), text
+        assert "\\x1b[2J" in text
+    assert "- `t.py::test_'bad'\\x1b[1m`: root cause node 0" in failures

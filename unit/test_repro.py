@@ -5,7 +5,10 @@ The end-to-end runs (a planted OOM, a rerun from a report) are in functional/tes
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import pytest
 from ci import repro
 from ci.jobs import JOBS, ROOT, pytest_args
 from ci.limits import Kill, apply_memory_limit
+from ci.report_input import MAX_REPORT_BYTES
 from ci.verdicts import (
     ReportError,
     failed_tests,
@@ -576,3 +580,335 @@ def test_closing_the_limit_kills_a_rank_that_outlived_the_run_then_removes_the_g
     limit.close(wait_s=0.5)
     assert straggler.wait(timeout=10) == -9
     assert limit.leftovers == 1 and not group.exists()
+
+
+# ---- a report is untrusted input -----------------------------------------------------------------
+# A report comes from a CI artifact that a fork's pull request controls: nothing in it may reach
+# pytest's command line as an option or a file outside the project's tests, and no size in it may
+# make repro build something huge.
+
+GOOD_ID = "functional/test_b.py::test_big[2-gloo]"
+
+REFUSED_IDS = {
+    "option --basetemp": "--basetemp=.git",
+    "option -p": "-p",
+    "option -p joined": "-pevil_plugin",
+    "option --rootdir": "--rootdir=/",
+    "option -c": "-c",
+    "option --confcutdir": "--confcutdir=/",
+    "option --junitxml": "--junitxml=pwned.xml",
+    "option after the file": "unit/test_a.py::--x",
+    "non-test file": "README.md",
+    "conftest": "conftest.py",
+    "config file": "pytest.ini",
+    "absolute path outside": "/tmp/outside/test_evil.py::test_x",
+    "absolute path to a test of the project": "{project}/unit/test_a.py::test_fine",
+    "traversal": "../outside/test_evil.py::test_x",
+    "traversal inside the path": "unit/../../outside/test_evil.py",
+    "hidden folder": ".venv/lib/test_x.py",
+    "installed package": "venv/lib/python3.12/site-packages/pkg/test_x.py",
+    "escape sequence": "unit/test_a.py::test_fine\x1b[2K\r",
+    "newline": "unit/test_a.py::test_fine\nsafe",
+    "bidi override": "unit/test_a.py::test_\u202eenif",
+    "NUL": "unit/test_a.py\x00::test_fine",
+    "windows path": "unit\\test_a.py::test_fine",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_IDS))
+def test_an_id_that_is_not_a_test_of_the_project_is_refused_named_and_never_passed_on(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project = make_project(tmp_path / "project")
+    bad = REFUSED_IDS[case].format(project=project)
+    report = write_report(tmp_path / "r.json", [entry(bad, "failed"), oom_entry(GOOD_ID)])
+    out = dry_run(["--from-report", str(report), "--root", str(project)], capsys)
+    command = shlex.split(out[-1].removeprefix("ci repro: "))
+    # Ids come after "--", so even an accepted one is never read as an option; only the good one is there.
+    assert command[command.index("--") :] == ["--", GOOD_ID]
+    refused = next(line for line in out if " refused, not run" in line)
+    assert refused.startswith("ci repro: 1 id(s) of the report refused") and "(" in refused
+    # Printed escaped: no control or format character reaches the terminal.
+    assert all(ch.isprintable() for line in out for ch in line), out
+
+
+def test_a_dry_run_imports_no_test_file_and_starts_no_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Collection imports a test file; --dry-run ran one to find stale ids, named files outside included."""
+    marker = tmp_path / "imported"
+    code = f"open({str(marker)!r}, 'a').write(__file__ + '\\n')\n\ndef test_x():\n    pass\n"
+    project = make_project(tmp_path / "project", {**PROJECT_FILES, "unit/test_marker.py": code})
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "test_evil.py").write_text(code)
+    ids = [
+        "unit/test_marker.py::test_x",
+        "unit/test_marker.py::test_renamed",
+        f"{tmp_path}/outside/test_evil.py::test_x",
+        "../outside/test_evil.py::test_x",
+    ]
+    report = write_report(tmp_path / "r.json", [entry(i, "failed") for i in ids])
+    with _processes_started() as started:
+        out = dry_run(["--from-report", str(report), "--root", str(project)], capsys)
+    assert not marker.exists(), marker.read_text()
+    assert started == []
+    command = shlex.split(out[-1].removeprefix("ci repro: "))
+    assert command[command.index("--") :] == ["--", "unit/test_marker.py::test_x"]
+    assert any("skipped: unit/test_marker.py::test_renamed" in line for line in out), out
+
+
+_STARTED: list[list[str]] | None = None
+
+
+def _audit(event: str, args: tuple[Any, ...]) -> None:
+    if _STARTED is not None and event in ("subprocess.Popen", "os.posix_spawn", "os.fork", "os.exec"):
+        _STARTED.append([event, *map(str, args[:2])])
+
+
+class _processes_started:
+    """Records every process this interpreter starts meanwhile (CPython's audit events)."""
+
+    installed = False
+
+    def __enter__(self) -> list[list[str]]:
+        global _STARTED
+        if not _processes_started.installed:
+            sys.addaudithook(_audit)  # cannot be removed; records only inside this context
+            _processes_started.installed = True
+        _STARTED = []
+        return _STARTED
+
+    def __exit__(self, *exc: object) -> None:
+        global _STARTED
+        _STARTED = None
+
+
+def _ci(argv: list[str], memory: int = 1 << 30, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """`python -m ci ARGV` under an address-space limit of `memory` bytes (a MemoryError past it)."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "ci", *argv],
+        cwd=ROOT, env=env, preexec_fn=limit, capture_output=True, text=True, timeout=120, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("session", "tests", "says"),
+    [
+        # Each of these took repro (or a reader) far past 1 GiB or into a traceback before.
+        ({"gpus": 10**7}, [oom_entry(GOOD_ID)], "session.gpus is not an integer in [0, 4096]"),
+        ({"gpus": 2**70}, [oom_entry(GOOD_ID)], "session.gpus is not an integer"),
+        ({}, [entry(GOOD_ID, "failed", world_size=10**7)], "tests[0].world_size is not an integer"),
+        ({}, [entry(GOOD_ID, "failed")] * 100_001, "tests has more than 100000 entries"),
+        (
+            {},
+            [entry(GOOD_ID, "failed", log_dir="x" * (2**20 + 1))],
+            "tests[0].log_dir is not text of at most",
+        ),
+        ({}, [entry("t" * 5000, "failed")], "tests[0].nodeid is not text of at most 4096 characters"),
+    ],
+    ids=["gpus 10^7", "gpus 2^70", "world_size 10^7", "100001 tests", "1 MiB string", "5000-char id"],
+)
+def test_huge_counts_and_strings_are_refused_in_bounded_memory(
+    session: dict[str, Any], tests: list[dict[str, Any]], says: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"version": 1, "session": {"markexpr": "L0", **session}, "tests": tests}))
+    # 1 GiB of address space: the interpreter and repro need ~100 MiB; the old code needed 800 MB+
+    # for CUDA_VISIBLE_DEVICES from gpus = 10^7 alone.
+    result = _ci(["repro", "--from-report", str(path), "--root", str(tmp_path), "--dry-run"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+
+
+WRONG_TYPES = {
+    "gpus as text": ({"gpus": "2"}, {}, "session.gpus is not an integer"),
+    "gpus as a list": ({"gpus": [0, 1]}, {}, "session.gpus is not an integer"),
+    "markexpr as a list": ({"markexpr": ["L0"]}, {}, "session.markexpr is not text"),
+    "ci_job as a number": ({"ci_job": 5}, {}, "session.ci_job is not text"),
+    "world size as text": ({}, {"world_size": "4"}, "tests[0].world_size is not an integer"),
+    "world size as a float": ({}, {"world_size": 2.0}, "tests[0].world_size is not an integer"),
+    "seed as an object": ({}, {"seed": {"a": 1}}, "tests[0].seed is not an integer"),
+    "negative peak": ({}, {"peak_host_bytes": -5}, "tests[0].peak_host_bytes is not an integer in [0"),
+    "bool as a count": ({}, {"leaked_processes": True}, "tests[0].leaked_processes is not an integer"),
+    "failure as text": ({}, {"failure": "boom"}, "tests[0].failure is not an object"),
+    "failure rank as text": ({}, {"failure": {"rank": "1"}}, "tests[0].failure.rank is not an integer"),
+    "first line as an object": (
+        {},
+        {"failure": {"first_line": {}}},
+        "tests[0].failure.first_line is not text",
+    ),
+    "ranks as an object": ({}, {"ranks": {"0": {}}}, "tests[0].ranks is not a list"),
+    "rank peak as text": ({}, {"ranks": [{"rank": 0, "peak_host_bytes": "1"}]}, "ranks[0].peak_host_bytes"),
+    "unknown outcome": ({}, {"outcome": "exploded"}, "tests[0].outcome is not one of passed"),
+    "duration as text": ({}, {"duration_s": "1"}, "tests[0].duration_s is not a finite number"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
+def test_a_field_of_the_wrong_type_is_a_one_line_error_naming_it(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    session, fields, says = WRONG_TYPES[case]
+    test = {**oom_entry(GOOD_ID), **fields}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"version": 1, "session": {"markexpr": "L0", **session}, "tests": [test]}))
+    assert (
+        repro.main(["--from-report", str(path), "--root", str(make_project(tmp_path / "p")), "--dry-run"])
+        == 2
+    )
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and says in err, err
+
+
+MALFORMED_FILES = {
+    "truncated": (b'{"version": 1, "session": {}, "tests": [{"nodeid": "a', "is not JSON"),
+    "not an object": (b"[1, 2, 3]", "is not a version-1 kit report"),
+    "NaN": (b'{"version": 1, "session": {"duration_s": NaN}, "tests": []}', "NaN is not a JSON number"),
+    "deep nesting": (
+        b'{"version": 1, "tests": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "not JSON the kit",
+    ),
+    "a 5000-digit number": (b'{"version": 1, "tests": [], "x": 1' + b"0" * 5000 + b"}", "not JSON the kit"),
+    "not UTF-8": (b'{"version": 1, "tests": ["\xff\xfe"]}', "is not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_FILES))
+def test_a_malformed_report_file_is_a_one_line_error(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data, says = MALFORMED_FILES[case]
+    (tmp_path / "r.json").write_bytes(data)
+    assert repro.main(["--from-report", str(tmp_path / "r.json"), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and says in err, err
+
+
+def test_a_huge_or_endless_report_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A sparse file past the bound, and a FIFO nobody writes (the old reader waited on it forever)."""
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(64 * MAX_REPORT_BYTES)  # 2 GiB, sparse: no disk used
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for path, says in ((huge, f"is larger than {MAX_REPORT_BYTES} bytes"), (fifo, "is not a regular file")):
+        # 512 MiB of address space: reading the whole file would not fit.
+        result = _ci(["repro", "--from-report", str(path), "--dry-run"], memory=512 << 20)
+        assert result.returncode == 2 and says in result.stderr and result.stderr.count("\n") == 1, (
+            result.stderr
+        )
+
+
+def test_report_text_is_printed_escaped() -> None:
+    hostile = oom_entry("functional/test_x.py::test_big\x1b]0;title\x07")
+    hostile["failure"] = {
+        **hostile["failure"],
+        "kind": "oom\x1b[8m",
+        "first_line": "boom\x1b[2J\rhidden\u202e",
+    }
+    for text in (format_verdicts([verdict(hostile)]), format_comparison([verdict(hostile)], {})):
+        assert all(ch.isprintable() for line in text.splitlines() for ch in line), text
+        assert "\\x1b[2J" in text and "\\u202e" in text
+
+
+# ---- stop requests reach the child ---------------------------------------------------------------
+
+SLEEPER = """
+import os, signal, sys, time
+out = sys.argv[1]
+
+def stop(signum, frame):
+    with open(out, "a") as f:
+        f.write(f"got {signum}\\n")
+    time.sleep(0.5)  # a shutdown that takes a while: writing the report, tearing down ranks
+    with open(out, "a") as f:
+        f.write("done\\n")
+    sys.exit(3)
+
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+with open(out, "a") as f:
+    f.write(f"started {os.getpid()}\\n")
+time.sleep(120)
+"""
+
+RUN_JOB = """
+import sys
+from pathlib import Path
+import ci.jobs as jobs
+jobs.ROOT = Path(sys.argv[1])  # a project whose ci/test.sh is the sleeper, not the test suite
+sys.exit(jobs.run_job("L0-cpu"))
+"""
+
+
+def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert time.monotonic() < deadline, f"no {text!r} in {path}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum", [15, 2], ids=["SIGTERM", "SIGINT"])
+def test_ci_job_forwards_a_stop_signal_to_the_tests_it_runs_and_waits_for_them(
+    signum: int, tmp_path: Path
+) -> None:
+    """A real signal to a real `run_job`, whose child is a shell script running a real Python
+    process (as ci/test.sh runs pytest): the signal reaches that process, and run_job waits for its
+    shutdown, then goes on (the memory-chart line is printed after the child)."""
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    log = tmp_path / "sleeper.log"
+    (tmp_path / "ci" / "test.sh").write_text(f'"{sys.executable}" sleeper.py "{log}"\nexit $?\n')
+    env = {k: v for k, v in os.environ.items() if k != "GITHUB_STEP_SUMMARY"}
+    env["PYTHONPATH"] = str(ROOT)
+    job = subprocess.Popen(
+        [sys.executable, "-c", RUN_JOB, str(tmp_path)],
+        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for(log, "started")
+        job.send_signal(signum)  # to run_job's process alone, as a runner signals the step's process
+        out, _ = job.communicate(timeout=60)
+        lines = log.read_text().splitlines()
+        assert lines[1:] == [f"got {signum}", "done"], lines
+        assert "memory chart:" in out.splitlines()[-1], out
+        # The shell's exit code: killed by the SIGTERM (128 + 15), or the child's 3 (bash waits out
+        # a child's SIGINT and goes on); never 0, never run_job's own death.
+        assert job.returncode in (3, 128 + 15), job.returncode
+    finally:
+        job.kill()
+        pid = int(log.read_text().split()[1]) if log.exists() else None
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
+def test_the_child_helper_passes_a_signal_on_when_the_child_shares_the_terminals_group(
+    tmp_path: Path,
+) -> None:
+    """With a terminal, the child stays in the parent's process group: a signal sent to the parent
+    alone is passed to the child itself (pytest directly, as repro runs it)."""
+    code = (
+        "import subprocess, sys\n"
+        "from ci.child import exit_code, wait_forwarding\n"
+        "proc = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])\n"
+        "sys.exit(exit_code(wait_forwarding(proc)))\n"
+    )
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    log = tmp_path / "sleeper.log"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path / "sleeper.py"), str(log)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        _wait_for(log, "started")
+        parent.send_signal(15)
+        assert parent.wait(timeout=60) == 3  # the child's own exit code, after its shutdown
+        assert log.read_text().splitlines()[1:] == ["got 15", "done"]
+    finally:
+        parent.kill()

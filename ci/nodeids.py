@@ -1,0 +1,160 @@
+"""Which node ids from a report may reach pytest: ids of test files tracked in the project, and no other.
+
+A report's node ids are untrusted text (a fork's pull request controls the CI artifact), and
+pytest reads its command line as options and paths to import. An id is accepted only when it
+reads as a node id (no leading ``-``, no absolute path, no ``..``, no control characters, a file
+part named ``test_*.py``) and its file is a test file of the project: tracked by git when the
+project is a git work tree, else a regular file under the root outside hidden folders. Nothing
+here imports or runs a test file: whether a test still exists is read from the file's syntax tree.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from megatron_testkit.schema import MAX_NODEID_CHARS
+
+_TEST_FILE = re.compile(r"test_[A-Za-z0-9_]*\.py")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Folders of installed code, which a project may hold (a virtual environment in the checkout).
+_INSTALLED = ("site-packages", "dist-packages", "node_modules")
+
+
+@dataclass
+class Checked:
+    """The ids split three ways: safe to pass on, refused (with the reason), stale (gone since)."""
+
+    accepted: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
+
+
+def form_problem(nodeid: str) -> str | None:
+    """Why `nodeid` does not read as a node id of a test file (None when it does)."""
+    if not nodeid or len(nodeid) > MAX_NODEID_CHARS:
+        return f"not 1 to {MAX_NODEID_CHARS} characters"
+    if not nodeid.isprintable():
+        return "holds control characters"
+    if nodeid.startswith("-"):
+        return "starts with '-' (an option, not a test)"
+    path, *names = nodeid.split("::")
+    if path.startswith("/") or "\\" in path or re.match(r"[A-Za-z]:", path):
+        return "not a path relative to the project"
+    parts = PurePosixPath(path).parts
+    if any(part in ("..", ".") or part.startswith(".") for part in parts):
+        return "a path through '..' or a hidden folder"
+    if any(part in _INSTALLED for part in parts):
+        return "a path into installed packages"
+    if not parts or not _TEST_FILE.fullmatch(parts[-1]):
+        return "not a test file (test_*.py)"
+    for name in names:
+        if not _NAME.fullmatch(name.split("[", 1)[0]) or ("[" in name and not name.endswith("]")):
+            return f"{name[:40]!r} is not a test name"
+    return None
+
+
+def tracked_files(root: Path, use_git: bool) -> set[str] | None:
+    """The files git tracks under `root` (paths relative to it); None when `use_git` is off or
+    `root` is not in a git work tree."""
+    if not use_git:
+        return None
+    try:
+        out = subprocess.run(
+            ["git", "-c", "core.quotePath=false", "ls-files", "-z", "--cached"],
+            cwd=root,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return {name for name in out.stdout.decode("utf-8", "replace").split("\0") if name}
+
+
+def file_problem(root: Path, path: str, tracked: set[str] | None) -> str | None:
+    """Why `path` is not a test file of the project at `root`; "missing" when it does not exist."""
+    full = root / path
+    if tracked is not None and path not in tracked:
+        return "missing" if not full.exists() and not full.is_symlink() else "not tracked by git"
+    if full.is_symlink():
+        return "a symbolic link"
+    if not full.exists():
+        return "missing"
+    if not full.is_file():
+        return "not a regular file"
+    if root.resolve() not in full.resolve().parents:
+        return "outside the project"
+    return None
+
+
+def defined_names(source: str) -> dict[str, set[str] | None]:
+    """Top-level names of a test module -> the names defined in them (for classes without bases;
+    None where any name may exist: functions, assignments, imports, classes that inherit)."""
+    names: dict[str, set[str] | None] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef):
+            inherited = bool(node.bases) or bool(node.decorator_list)
+            members = {
+                n.name
+                for n in node.body
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            }
+            members |= {
+                t.id
+                for n in node.body
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
+            names[node.name] = None if inherited else members
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = None
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update({t.id: None for t in targets if isinstance(t, ast.Name)})
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names.update({(a.asname or a.name).split(".")[0]: None for a in node.names})
+    return names
+
+
+def exists_in_source(source: str, names: list[str]) -> bool:
+    """Whether the test `names` (``Class``, ``test[param]``...) can exist in a module of `source`."""
+    if not names:
+        return True
+    try:
+        defined = defined_names(source)
+    except (SyntaxError, ValueError, RecursionError):
+        return True  # pytest will say what is wrong with the file
+    top = names[0].split("[", 1)[0]
+    if top not in defined:
+        return False
+    members = defined[top]
+    return members is None or len(names) < 2 or names[1].split("[", 1)[0] in members
+
+
+def check(root: Path, nodeids: list[str], use_git: bool = True) -> Checked:
+    """Split `nodeids` into accepted, refused and stale, reading files but running nothing."""
+    out = Checked()
+    tracked = tracked_files(root, use_git)
+    sources: dict[str, str] = {}
+    for nodeid in nodeids:
+        problem = form_problem(nodeid)
+        path, *names = nodeid.split("::")
+        if problem is None:
+            problem = file_problem(root, path, tracked)
+        if problem == "missing":
+            out.stale.append(nodeid)
+            continue
+        if problem is not None:
+            out.refused.append((nodeid, problem))
+            continue
+        if path not in sources:
+            sources[path] = (root / path).read_text(encoding="utf-8", errors="replace")
+        (out.accepted if exists_in_source(sources[path], names) else out.stale).append(nodeid)
+    return out
