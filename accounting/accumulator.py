@@ -173,9 +173,11 @@ class FlopsAccumulator:
         Packed mode with torch.distributed initialised and a world larger than one requires a
         `dp_group` (here or at construction): defaulting to the world would over-count under
         tensor, pipeline or context parallelism. Dense mode there requires `dp_size` or
-        `dp_group`: defaulting to 1 would under-count.
+        `dp_group`: defaulting to 1 would under-count. A group whose size is not the DP size (the
+        declared `dp_size`, else megatron-core's when its parallel state is initialised) is refused.
         """
         group = dp_group if dp_group is not None else self.dp_group
+        self._check_group(group, dp_size if dp_size is not None else self.dp_size)
         if not self.packed:
             size = dp_size if dp_size is not None else self.dp_size
             if size is None and group is None and _dist_ready() and torch.distributed.get_world_size() > 1:
@@ -202,6 +204,26 @@ class FlopsAccumulator:
         vec = local.to_vector(device=device).contiguous()
         torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM, group=group)
         return SeqlenStats.from_vector(vec, window=self.window)
+
+    def _check_group(self, group: Any, dp_size: int | None) -> None:
+        """Refuses a group whose size is not the DP size (`dp_size`, else megatron's, when known)."""
+        from accounting.parallel_layout import check_dp_group
+
+        check_dp_group(group, dp_size)
+
+    @classmethod
+    def from_parallel_state(cls, packed: bool, **kwargs: Any) -> FlopsAccumulator:
+        """Groups and sizes from megatron-core's parallel state (`accounting.parallel_layout`)."""
+        from accounting.parallel_layout import accumulator_from_parallel_state
+
+        return accumulator_from_parallel_state(packed, **kwargs)
+
+    @classmethod
+    def from_process_groups(cls, packed: bool, **kwargs: Any) -> FlopsAccumulator:
+        """Groups and sizes from explicit process groups and the model config (`accounting.parallel_layout`)."""
+        from accounting.parallel_layout import accumulator_from_process_groups
+
+        return accumulator_from_process_groups(packed, **kwargs)
 
     def step(
         self,
