@@ -5,11 +5,12 @@ rank sees the same full `cu_seqlens`), the un-sliced sequence length (not a CP r
 `tokens`), and each micro batch reported once under a virtual pipeline. Each of these mistakes
 used to give a silently wrong count. `FlopsAccumulator.from_parallel_state()` and
 `FlopsAccumulator.from_process_groups()` take the groups and sizes from megatron-core (or from
-the process groups and the model config) and return a `LayoutCheckedAccumulator`, which refuses
-them with a message naming the fix. Any accumulator refuses a group whose size is not
-megatron-core's data-parallel size when megatron's parallel state is initialised.
+the process groups and the model config) and give the accumulator its `ParallelLayout`, whose
+checks then refuse them with a message naming the fix. Any accumulator refuses a group whose size
+is not megatron-core's data-parallel size when megatron's parallel state is initialised.
 
-Nothing here imports megatron: `parallel_state` is passed in, or looked up lazily.
+Nothing here imports megatron (`parallel_state` is passed in, or looked up lazily), nor the
+accumulator (its class is passed in), so the accumulator imports this module and not back.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from typing import Any
 
 import torch
 
-from accounting.accumulator import FlopsAccumulator
-
 __all__ = [
-    "LayoutCheckedAccumulator",
     "ParallelLayout",
+    "accumulator_for_layout",
     "accumulator_from_parallel_state",
     "accumulator_from_process_groups",
     "check_dp_group",
@@ -60,6 +59,22 @@ class ParallelLayout:
             raise ValueError(
                 f"seq_length = {self.seq_length!r} must be a positive int (the un-sliced length)"
             )
+
+    def length_to_count(
+        self, tokens: torch.Tensor | None, seq_len: int | None, vp_stage: int | None
+    ) -> int | None:
+        """The `seq_len` an accumulator should count for this micro batch; ValueError for a mistake.
+
+        Refuses, from shapes only (no sync): under a virtual pipeline a micro batch without its
+        `vp_stage` (it would count once per chunk); under CP a length taken from a CP rank's slice.
+        """
+        if self.vpp_size is not None and self.vpp_size > 1 and vp_stage is None:
+            raise ValueError(
+                f"add_microbatch: under a virtual pipeline (VPP = {self.vpp_size}) every model chunk's "
+                "forward step reports the micro batch; pass vp_stage= (the chunk's index) so it counts "
+                "once, or vp_stage=0 where each micro batch is reported once outside the model chunks"
+            )
+        return _unsliced_length(self, tokens, seq_len)
 
 
 def megatron_data_parallel_size() -> int | None:
@@ -117,50 +132,18 @@ def _check_config(config: Any, cp_size: int, vpp_size: int | None) -> None:
         )
 
 
-class LayoutCheckedAccumulator(FlopsAccumulator):
-    """A FlopsAccumulator that knows its layout and refuses the ways a caller can count it wrong.
+def accumulator_for_layout(cls: Any, packed: bool, layout: ParallelLayout, **kwargs: Any) -> Any:
+    """`cls(packed, ...)` (a FlopsAccumulator class) over `layout`'s DP group and size, holding `layout`.
 
-    On top of `FlopsAccumulator`: a group whose size is not the DP size is refused; under CP a pack
-    length taken from a CP rank's `tokens` slice (or a `seq_len` that is one) is refused; under a
-    virtual pipeline a micro batch without `vp_stage` is refused (it would count once per chunk).
+    The accumulator then runs `layout.length_to_count` on every micro batch and checks its group
+    against `layout.dp_size` at every resolve.
     """
-
-    def __init__(self, packed: bool, *, layout: ParallelLayout, **kwargs: Any) -> None:
-        kwargs.setdefault("dp_group", layout.dp_group)
-        if not packed:
-            kwargs.setdefault("dp_size", layout.dp_size)
-        super().__init__(packed, **kwargs)
-        self.layout = layout
-
-    def _check_group(self, group: Any, dp_size: int | None) -> None:
-        check_dp_group(group, self.layout.dp_size)
-
-    def add_microbatch(
-        self,
-        *,
-        cu_seqlens: torch.Tensor | None = None,
-        cu_seqlens_padded: torch.Tensor | None = None,
-        tokens: torch.Tensor | None = None,
-        seq_len: int | None = None,
-        micro_batch_size: int | None = None,
-        vp_stage: int | None = None,
-    ) -> None:
-        """`FlopsAccumulator.add_microbatch`, after the layout checks (no sync: shapes only)."""
-        vpp = self.layout.vpp_size
-        if vpp is not None and vpp > 1 and vp_stage is None:
-            raise ValueError(
-                f"add_microbatch: under a virtual pipeline (VPP = {vpp}) every model chunk's forward "
-                "step reports the micro batch; pass vp_stage= (the chunk's index) so it counts once, or "
-                "vp_stage=0 where each micro batch is reported once outside the model chunks"
-            )
-        super().add_microbatch(
-            cu_seqlens=cu_seqlens,
-            cu_seqlens_padded=cu_seqlens_padded,
-            tokens=tokens,
-            seq_len=_unsliced_length(self.layout, tokens, seq_len),
-            micro_batch_size=micro_batch_size,
-            vp_stage=vp_stage,
-        )
+    kwargs.setdefault("dp_group", layout.dp_group)
+    if not packed:
+        kwargs.setdefault("dp_size", layout.dp_size)
+    accumulator = cls(packed, **kwargs)
+    accumulator.layout = layout
+    return accumulator
 
 
 def _unsliced_length(layout: ParallelLayout, tokens: torch.Tensor | None, seq_len: int | None) -> int | None:
@@ -190,14 +173,15 @@ def _unsliced_length(layout: ParallelLayout, tokens: torch.Tensor | None, seq_le
 
 
 def accumulator_from_parallel_state(
+    cls: Any,
     packed: bool,
     *,
     parallel_state: Any = None,
     config: Any = None,
     seq_length: int | None = None,
     **kwargs: Any,
-) -> LayoutCheckedAccumulator:
-    """An accumulator over megatron-core's pure data-parallel group, with its CP and VPP sizes.
+) -> Any:
+    """A `cls` accumulator over megatron-core's pure data-parallel group, with its CP and VPP sizes.
 
     `parallel_state` defaults to `megatron.core.parallel_state` (initialised); `config` (the
     model's `TransformerConfig`) is checked against it and for token dropping; `seq_length` is the
@@ -227,10 +211,11 @@ def accumulator_from_parallel_state(
         dp_group=ps.get_data_parallel_group(with_context_parallel=False),
         seq_length=seq_length,
     )
-    return LayoutCheckedAccumulator(packed, layout=layout, **kwargs)
+    return accumulator_for_layout(cls, packed, layout, **kwargs)
 
 
 def accumulator_from_process_groups(
+    cls: Any,
     packed: bool,
     *,
     dp_group: Any = None,
@@ -239,8 +224,8 @@ def accumulator_from_process_groups(
     config: Any = None,
     seq_length: int | None = None,
     **kwargs: Any,
-) -> LayoutCheckedAccumulator:
-    """An accumulator from explicit process groups (megatron-core's `ProcessGroupCollection` too).
+) -> Any:
+    """A `cls` accumulator from explicit process groups (megatron-core's `ProcessGroupCollection` too).
 
     `dp_group` is the pure data-parallel group (`pg_collection.dp`), `cp_group` the context-parallel
     one (`pg_collection.cp`). With `config`, the DP size it implies (world / (TP x PP x CP)) must be
@@ -261,4 +246,4 @@ def accumulator_from_process_groups(
         model_parallel = config.tensor_model_parallel_size * config.pipeline_model_parallel_size * cp
         check_dp_group(dp_group, torch.distributed.get_world_size() // model_parallel)
     layout = ParallelLayout(dp_size=size, cp_size=cp, vpp_size=vpp, dp_group=dp_group, seq_length=seq_length)
-    return LayoutCheckedAccumulator(packed, layout=layout, **kwargs)
+    return accumulator_for_layout(cls, packed, layout, **kwargs)

@@ -163,9 +163,6 @@ def layout_rank(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    pytest.importorskip(
-        "megatron.core", reason="megatron: the test initialises megatron-core's parallel state"
-    )
     return run_ranks(layout_rank, 2, backend="gloo", timeout=240)
 
 

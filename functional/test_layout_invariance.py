@@ -122,7 +122,6 @@ def layouts_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    pytest.importorskip("megatron.core", reason="megatron: the test trains megatron-core's GPTModel")
     root = tmp_path_factory.mktemp("layout_invariance")
     ranks = run_ranks(layouts_rank, 2, backend="gloo", args=(str(root),), timeout=540)
     base = [s["loss"] for s in ranks[0]["dp2"]["steps"]]

@@ -179,9 +179,23 @@ def layouts(model: Model) -> list[Layout]:
     return out
 
 
+def require_megatron(why: str) -> None:
+    """Skip for the declared capability `megatron` where megatron-core is missing.
+
+    Uses the kit's declared skips (`megatron_testkit.skips`) where this tree has them; without
+    them megatron-core is simply required (it is a test dependency of this repository).
+    """
+    try:
+        from megatron_testkit.skips import require_megatron as declared
+    except ImportError:
+        import megatron.core  # noqa: F401  (an ImportError here names what is missing)
+    else:
+        declared(why=why)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _megatron() -> None:
-    pytest.importorskip("megatron.core", reason="megatron: the test builds real megatron-core configs")
+    require_megatron("the test builds real megatron-core configs")
 
 
 @functools.cache

@@ -1,8 +1,8 @@
-"""The layout-checked accumulator in one process: CP slices, VPP chunks and token dropping refused.
+"""An accumulator that holds its layout, in one process: CP slices, VPP chunks, token dropping refused.
 
-Each mistake is first shown to give a silently wrong count on the plain `FlopsAccumulator` (so the
-refusal guards something real), then refused by `LayoutCheckedAccumulator` with a message naming
-the fix. The group checks need real process groups: functional/test_accounting_layout.py.
+Each mistake is first shown to give a silently wrong count on a plain `FlopsAccumulator` (so the
+refusal guards something real), then refused by one holding its `ParallelLayout` (as
+`FlopsAccumulator.from_parallel_state` builds it) with a message naming the fix. The group checks need real process groups: functional/test_accounting_layout.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from accounting import FlopsAccumulator, ModelShape, SeqlenStats, seqlen_stats, training_flops
-from accounting.parallel_layout import LayoutCheckedAccumulator, ParallelLayout, check_no_token_dropping
+from accounting.parallel_layout import ParallelLayout, accumulator_for_layout, check_no_token_dropping
+from unit.test_flops_layout import require_megatron
 
 pytestmark = pytest.mark.L0
 
@@ -20,6 +21,11 @@ PACK = 256
 # A half-full pack: two documents of 100 and 20 tokens padded to 104 and 24: 128 of its 256 slots.
 CU = torch.tensor([0, 100, 120])
 CU_PADDED = torch.tensor([0, 104, 128])
+
+
+def _checked(packed: bool, layout: ParallelLayout) -> FlopsAccumulator:
+    """A FlopsAccumulator holding `layout`, as from_parallel_state builds one (without the groups)."""
+    return accumulator_for_layout(FlopsAccumulator, packed, layout)
 
 
 def _cp_layout(seq_length: int | None = PACK, cp: int = 2) -> ParallelLayout:
@@ -45,7 +51,7 @@ def test_a_cp_ranks_local_tokens_silently_under_count_on_the_plain_accumulator()
 
 @pytest.mark.parametrize("seq_length", [PACK, None])
 def test_a_cp_ranks_local_tokens_are_refused_with_the_fix(seq_length):
-    acc = LayoutCheckedAccumulator(True, layout=_cp_layout(seq_length))
+    acc = _checked(True, _cp_layout(seq_length))
     with pytest.raises(
         ValueError, match=r"CP = 2\) the length of `tokens` \(128\) is this CP rank's slice"
     ) as err:
@@ -54,7 +60,7 @@ def test_a_cp_ranks_local_tokens_are_refused_with_the_fix(seq_length):
 
 
 def test_a_sliced_seq_len_is_refused_when_the_configured_length_shows_it():
-    acc = LayoutCheckedAccumulator(True, layout=_cp_layout())
+    acc = _checked(True, _cp_layout())
     with pytest.raises(
         ValueError, match=r"seq_len = 128 is a CP rank's slice of the configured 256 \(CP = 2\)"
     ):
@@ -71,21 +77,21 @@ def test_a_sliced_seq_len_is_refused_when_the_configured_length_shows_it():
     ids=["seq_len", "full-tokens", "configured"],
 )
 def test_the_un_sliced_length_counts_the_whole_pack(how):
-    acc = LayoutCheckedAccumulator(True, layout=_cp_layout())
+    acc = _checked(True, _cp_layout())
     acc.add_microbatch(cu_seqlens=CU, cu_seqlens_padded=CU_PADDED, **how)
     acc.step(SHAPE)
     assert (acc.total_flops, acc.hardware_total_flops) == _full_pack_flops()
 
 
 def test_without_cp_the_tokens_length_is_the_sequence():
-    acc = LayoutCheckedAccumulator(True, layout=ParallelLayout(dp_size=1))
+    acc = _checked(True, ParallelLayout(dp_size=1))
     acc.add_microbatch(cu_seqlens=CU, cu_seqlens_padded=CU_PADDED, tokens=torch.zeros(PACK))
     acc.step(SHAPE)
     assert (acc.total_flops, acc.hardware_total_flops) == _full_pack_flops()
 
 
 def test_dense_batches_under_cp_refuse_the_local_slice_too():
-    acc = LayoutCheckedAccumulator(False, layout=ParallelLayout(dp_size=2, cp_size=2, seq_length=64))
+    acc = _checked(False, ParallelLayout(dp_size=2, cp_size=2, seq_length=64))
     with pytest.raises(
         ValueError, match=r"length of `tokens` \(32\) is this CP rank's slice.*pass seq_len=64"
     ):
@@ -100,7 +106,7 @@ def test_under_vpp_a_micro_batch_without_its_chunk_is_refused_and_with_it_counts
     for _ in range(4):  # every chunk's forward step, no vp_stage: four times the step
         plain.add_microbatch(micro_batch_size=1, seq_len=16)
     assert plain.step(SHAPE) == 4 * training_flops(SHAPE, SeqlenStats.dense(1, 16)).total
-    checked = LayoutCheckedAccumulator(False, layout=layout)
+    checked = _checked(False, layout)
     with pytest.raises(ValueError, match=r"VPP = 4.*pass vp_stage="):
         checked.add_microbatch(micro_batch_size=1, seq_len=16)
     for chunk in range(4):
@@ -126,7 +132,7 @@ def test_a_layout_with_non_positive_sizes_is_refused(fields, bad):
 
 
 def test_an_moe_that_drops_tokens_is_refused_not_over_counted():
-    pytest.importorskip("megatron.core", reason="megatron: the test builds real megatron-core configs")
+    require_megatron("the test builds a real megatron-core config")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     base = {
