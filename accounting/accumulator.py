@@ -20,6 +20,12 @@ from typing import Any
 import torch
 
 from accounting.flops import FlopsBreakdown, ModelShape, flops_from_sums
+from accounting.parallel_layout import (
+    ParallelLayout,
+    accumulator_from_parallel_state,
+    accumulator_from_process_groups,
+    check_dp_group,
+)
 from accounting.seqlens import (
     MALFORMED,
     SeqlenStats,
@@ -75,7 +81,11 @@ class FlopsAccumulator:
     malformed-row counters, and `step` (which reads the vector anyway) raises a ValueError naming
     the microbatch and what is wrong. `validate=True` also runs the exact, syncing
     `validate_cu_seqlens` on every microbatch (debug mode), which names the index at once.
+    `from_parallel_state` / `from_process_groups` give it a `layout` that refuses the wrong group,
+    a CP rank's sliced length and a VPP chunk without `vp_stage` (`accounting.parallel_layout`).
     """
+
+    layout: ParallelLayout | None = None  # set by from_parallel_state / from_process_groups
 
     def __init__(
         self,
@@ -128,6 +138,8 @@ class FlopsAccumulator:
         given (the configured, un-CP-sliced length), else `tokens.shape[-1]`. Dense: the batch is
         `micro_batch_size` (else `tokens.shape[0]`) x `seq_len` (else `tokens.shape[1]`).
         """
+        if self.layout is not None:
+            seq_len = self.layout.length_to_count(tokens, seq_len, vp_stage)
         if vp_stage not in (None, 0):
             return
         if self.packed:
@@ -173,9 +185,12 @@ class FlopsAccumulator:
         Packed mode with torch.distributed initialised and a world larger than one requires a
         `dp_group` (here or at construction): defaulting to the world would over-count under
         tensor, pipeline or context parallelism. Dense mode there requires `dp_size` or
-        `dp_group`: defaulting to 1 would under-count.
+        `dp_group`: defaulting to 1 would under-count. A group whose size is not the DP size (the
+        declared `dp_size`, else megatron-core's when its parallel state is initialised) is refused.
         """
         group = dp_group if dp_group is not None else self.dp_group
+        declared = dp_size if dp_size is not None else self.dp_size
+        check_dp_group(group, self.layout.dp_size if self.layout is not None else declared)
         if not self.packed:
             size = dp_size if dp_size is not None else self.dp_size
             if size is None and group is None and _dist_ready() and torch.distributed.get_world_size() > 1:
@@ -202,6 +217,16 @@ class FlopsAccumulator:
         vec = local.to_vector(device=device).contiguous()
         torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM, group=group)
         return SeqlenStats.from_vector(vec, window=self.window)
+
+    @classmethod
+    def from_parallel_state(cls, packed: bool, **kwargs: Any) -> FlopsAccumulator:
+        """Groups and sizes from megatron-core's parallel state (`accounting.parallel_layout`)."""
+        return accumulator_from_parallel_state(cls, packed, **kwargs)
+
+    @classmethod
+    def from_process_groups(cls, packed: bool, **kwargs: Any) -> FlopsAccumulator:
+        """Groups and sizes from explicit process groups and the model config (`accounting.parallel_layout`)."""
+        return accumulator_from_process_groups(cls, packed, **kwargs)
 
     def step(
         self,

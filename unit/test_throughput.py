@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from accounting import IntervalThroughput
-from accounting.throughput import PEAK_FLOPS, peak_flops
+from accounting.throughput import PEAK_FLOPS, device_key, peak_flops
 
 pytestmark = pytest.mark.L0
 
@@ -127,3 +130,124 @@ def test_devices_the_table_does_not_describe_are_refused_not_matched_by_substrin
     # "A1000" contains "A100"; the H100/H200 NVL run below the SXM peaks the table holds.
     with pytest.raises(ValueError, match="no peak FLOP/s known for device"):
         peak_flops(device, "bf16")
+
+
+# ------------------------------------------------------------- the accelerators users run now
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "expected"),
+    [
+        # Names as torch.cuda.get_device_name() gives them (ROCm builds report AMD's names).
+        ("NVIDIA B300 SXM6 AC", "bf16", 2250e12),
+        ("NVIDIA B300 SXM6 AC", "fp8", 4500e12),
+        ("NVIDIA GB200", "bf16", 2500e12),
+        ("NVIDIA GB200", "fp8", 5000e12),
+        ("NVIDIA GB300", "bf16", 2500e12),
+        ("NVIDIA GB300", "fp8", 5000e12),
+        ("NVIDIA GH200 480GB", "bf16", 989.4e12),
+        ("NVIDIA L40S", "bf16", 366.5e12),
+        ("NVIDIA L40S", "fp8", 733e12),
+        ("AMD Instinct MI300X", "bf16", 1307.4e12),
+        ("AMD Instinct MI300X VF", "fp8", 2614.9e12),
+        ("AMD Instinct MI325X", "bf16", 1307.4e12),
+        ("AMD Instinct MI325X", "fp8", 2614.9e12),
+        ("AMD Instinct MI355X", "bf16", 2516.6e12),
+        ("AMD Instinct MI355X", "fp8", 5033.2e12),
+    ],
+)
+def test_new_accelerators_give_their_dense_datasheet_peaks(device, dtype, expected):
+    assert peak_flops(device, dtype) == expected
+
+
+def test_a_grace_superchip_is_not_matched_as_the_gpu_inside_its_name():
+    # "GB200" contains "B200", "GH200" contains "H200": whole model numbers only. The GB200's
+    # Blackwell runs at a higher power than the HGX B200's, so the two peaks differ.
+    assert device_key("NVIDIA GB200") == "GB200" and device_key("NVIDIA B200") == "B200"
+    assert peak_flops("NVIDIA GB200") != peak_flops("NVIDIA B200")
+    assert device_key("NVIDIA GH200 480GB") == "GH200"
+
+
+@pytest.mark.parametrize("device", ["NVIDIA L40", "AMD Instinct MI300A", "AMD Instinct MI250X", "NVIDIA H20"])
+def test_neighbouring_parts_with_other_peaks_are_not_matched(device):
+    # The L40 runs at half the L40S's BF16, the MI300A (an APU) below the MI300X, the H20 far below
+    # the H100/H200: a near-miss match would make MFU wrong by that factor.
+    assert device_key(device) is None
+
+
+def test_every_table_entry_names_its_datasheet_source():
+    import inspect
+
+    from accounting import throughput
+
+    comments = " ".join(
+        line.lstrip("# ") for line in inspect.getsource(throughput).splitlines() if line.startswith("#")
+    )
+    bullets = {b.split()[0].rstrip(":"): b for b in comments.split(" - ")[1:]}
+    for device in {key for key, _ in PEAK_FLOPS}:
+        bullet = bullets.get(device.split()[0], "")
+        assert re.search(r"datasheet|specifications", bullet), f"{device}: no source in {bullet!r}"
+
+
+# --------------------------------------------------------------- MFU never stops training
+
+
+def test_an_unknown_device_gives_mfu_none_and_one_logged_reason_not_an_error(caplog):
+    clock = FakeClock()
+    with caplog.at_level(logging.WARNING, logger="accounting.throughput"):
+        meter = IntervalThroughput(8, device_name="Tesla V100-SXM2-32GB", clock=clock)
+        reports = []
+        for _ in range(3):
+            clock.now += 1
+            reports.append(meter.log(10**12 * len(reports)))
+    assert all(r.mfu is None and r.peak_flops_per_gpu is None for r in reports)
+    assert all(r.tflops_per_gpu >= 0 for r in reports)  # throughput is still reported
+    assert "Tesla V100-SXM2-32GB" in meter.mfu_unavailable
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Tesla V100-SXM2-32GB" in warnings[0].getMessage()
+
+
+def test_an_unknown_dtype_gives_mfu_none_and_a_reason_naming_that_device_and_dtype(caplog):
+    with caplog.at_level(logging.WARNING, logger="accounting.throughput"):
+        meter = IntervalThroughput(1, device_name="NVIDIA H100 80GB HBM3", dtype="fp32", clock=FakeClock())
+    reason = meter.mfu_unavailable
+    assert "fp32" in reason and "H100" in reason and "A100" not in reason and "FP8" not in reason
+    assert meter.peak_flops_per_gpu is None and len(caplog.records) == 1
+
+
+def test_the_strict_lookup_names_the_device_and_dtype_it_was_asked_about():
+    with pytest.raises(
+        ValueError, match=r"no fp32 peak FLOP/s known for H100; the table holds bf16, fp8"
+    ) as err:
+        peak_flops("NVIDIA H100 80GB HBM3", "fp32")
+    assert "A100" not in str(err.value)
+    with pytest.raises(
+        ValueError, match=r"no fp8 peak FLOP/s known for A100 \(the A100 has no FP8 tensor cores\)"
+    ):
+        peak_flops("NVIDIA A100-SXM4-80GB", "fp8")
+
+
+def test_the_report_carries_the_device_and_the_peak_used():
+    clock = FakeClock()
+    meter = IntervalThroughput(2, device_name="NVIDIA H100 PCIe", dtype="fp8", clock=clock)
+    clock.now += 1
+    report = meter.log(1513 * 10**12)
+    assert (report.device, report.dtype, report.peak_flops_per_gpu) == ("H100 PCIe", "fp8", 1513e12)
+    assert report.mfu == pytest.approx(0.5) and not report.mfu_over_one
+    given = IntervalThroughput(1, peak_flops_per_gpu=4e12, clock=clock).log(0)
+    assert given.peak_flops_per_gpu == 4e12 and given.device is None
+
+
+@pytest.mark.parametrize(("flops", "flagged"), [(10**12, False), (4 * 10**12, False), (4 * 10**12 + 1, True)])
+def test_an_interval_above_the_peak_is_flagged_and_logged_as_a_likely_over_count(caplog, flops, flagged):
+    clock = FakeClock()
+    meter = IntervalThroughput(1, peak_flops_per_gpu=4e12, clock=clock)
+    clock.now += 1.0
+    with caplog.at_level(logging.WARNING, logger="accounting.throughput"):
+        report = meter.log(flops)
+    assert report.mfu == pytest.approx(flops / 4e12)
+    assert report.mfu_over_one is flagged
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == int(flagged)
+    if flagged:
+        assert "over-counted" in warnings[0]
