@@ -164,6 +164,10 @@ class ModelShape:
         _positive("hidden_size", self.hidden_size)
         _positive("num_attention_heads", self.num_attention_heads)
         _positive("vocab_size", self.vocab_size)
+        if isinstance(self.hybrid_pattern, str):
+            # '|' marks where megatron cuts the pipeline: a layout, not the model. Two layouts of
+            # one hybrid are one shape (the cuts never changed a count, only equality).
+            resolve("hybrid_pattern", self.hybrid_pattern.replace("|", ""))
         resolve(
             "ffn_hidden_size", 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
         )

@@ -127,6 +127,11 @@ _UNMODELLED: dict[str, tuple[Any, str]] = {
         "cross-layer DSA top-k sharing (indexer layers skipped) is not modelled yet",
     ),
     "heterogeneous_block_specs": (bool, "per-layer heterogeneous blocks are not modelled"),
+    "moe_expert_capacity_factor": (
+        lambda v: v is not None,
+        "experts drop the tokens routed beyond their capacity, and the count gives every token its "
+        "top-k experts (an over-count); train dropless (None) or count from the router's real token counts",
+    ),
     "mtp_hybrid_override_pattern": (
         lambda v: v is not None,
         "hybrid MTP layer patterns are not modelled yet",

@@ -43,6 +43,7 @@ import torch
 
 from accounting import FlopsAccumulator, ModelShape, SeqlenStats, seqlen_stats, training_flops
 from fixtures.oracles import megatron_lm_step_flops
+from megatron_testkit import skips
 
 pytestmark = pytest.mark.L0
 
@@ -179,23 +180,9 @@ def layouts(model: Model) -> list[Layout]:
     return out
 
 
-def require_megatron(why: str) -> None:
-    """Skip for the declared capability `megatron` where megatron-core is missing.
-
-    Uses the kit's declared skips (`megatron_testkit.skips`) where this tree has them; without
-    them megatron-core is simply required (it is a test dependency of this repository).
-    """
-    try:
-        from megatron_testkit.skips import require_megatron as declared
-    except ImportError:
-        import megatron.core  # noqa: F401  (an ImportError here names what is missing)
-    else:
-        declared(why=why)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _megatron() -> None:
-    require_megatron("the test builds real megatron-core configs")
+    skips.require_megatron(why="the test builds real megatron-core configs")
 
 
 @functools.cache
@@ -227,30 +214,20 @@ def test_the_grid_is_every_layout_megatron_accepts():
         MODELS["dense"].config(dataclasses.replace(REFERENCE, ep=8))
 
 
-_HYBRID_CUTS = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "ModelShape keeps hybrid_pattern verbatim, '|' pipeline cuts included, so two layouts of one "
-        "hybrid compare unequal (their FLOPs agree: see the next tests); the fix belongs in "
-        "accounting/flops.py (drop '|' when the shape is built) and is reported to the lead"
-    ),
-)
-
-
-@pytest.mark.parametrize("name", ["dense", "moe", "mla", pytest.param("hybrid", marks=_HYBRID_CUTS)])
+@pytest.mark.parametrize("name", ["dense", "moe", "mla", "hybrid"])
 def test_the_model_shape_is_the_same_for_every_layout(name):
     reference = shapes(name)[REFERENCE]
     differing = [layout for layout, shape in shapes(name).items() if shape != reference]
     assert not differing, f"{name}: {len(differing)} layouts give another ModelShape, e.g. {differing[0]}"
 
 
-def test_the_hybrid_shapes_differ_only_in_where_the_pipeline_is_cut():
+def test_the_pipeline_cuts_of_a_hybrid_pattern_are_layout_not_model():
     reference = shapes("hybrid")[REFERENCE]
     assert reference.hybrid_pattern == HYBRID_LAYERS  # one segment: no cut
     for layout, shape in shapes("hybrid").items():
-        assert shape.hybrid_pattern.count("|") == layout.pp * layout.chunks - 1
-        uncut = dataclasses.replace(shape, hybrid_pattern=shape.hybrid_pattern.replace("|", ""))
-        assert uncut == reference, layout
+        # megatron is given the pattern cut into PP x VPP segments; the shape keeps the layers only.
+        assert hybrid_pattern(layout).count("|") == layout.pp * layout.chunks - 1
+        assert shape.hybrid_pattern == HYBRID_LAYERS and shape == reference, layout
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -12,7 +12,7 @@ import torch
 
 from accounting import FlopsAccumulator, ModelShape, SeqlenStats, seqlen_stats, training_flops
 from accounting.parallel_layout import ParallelLayout, accumulator_for_layout, check_no_token_dropping
-from unit.test_flops_layout import require_megatron
+from megatron_testkit import skips
 
 pytestmark = pytest.mark.L0
 
@@ -132,7 +132,7 @@ def test_a_layout_with_non_positive_sizes_is_refused(fields, bad):
 
 
 def test_an_moe_that_drops_tokens_is_refused_not_over_counted():
-    require_megatron("the test builds a real megatron-core config")
+    skips.require_megatron(why="the test builds a real megatron-core config")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     base = {
