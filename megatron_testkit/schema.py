@@ -11,8 +11,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-REPORT_VERSION = 1
-OUTCOMES = ("passed", "failed", "skipped", "error")
+# 2: the ``interrupted`` outcome, the session's ``exit_status``, a rank's ``peak_process``.
+REPORT_VERSION = 2
+# Versions `Report.from_json` reads: version 1 differs only by lacking those (read as absent).
+READABLE_VERSIONS = (1, 2)
+# ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
+# ``exit_status``.
+OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
 
 
 class SchemaError(ValueError):
@@ -51,13 +56,19 @@ class RankPeak:
     peak_device_bytes: int | None = None
     exit_code: int | None = None
     signal: str | None = None
+    # The rank's host peak counts its descendants (worker processes, pools); when one of them held
+    # memory at that peak, the largest: "pid 12: python -c ... held 800MiB".
+    peak_process: str | None = None
 
     @classmethod
     def from_json(cls, data: Any, where: str = "rank") -> RankPeak:
         """Parse a ``ranks[]`` entry (``rank`` required, the rest optional)."""
         if not isinstance(data, dict) or not _is_int(data.get("rank")):
             raise SchemaError(f"{where} has no integer 'rank'")
-        return cls(**{f.name: data.get(f.name) for f in fields(cls)})
+        values = {f.name: data.get(f.name) for f in fields(cls)}
+        if not isinstance(values["peak_process"], str):
+            values["peak_process"] = None
+        return cls(**values)
 
 
 @dataclass
@@ -176,6 +187,7 @@ class Session:
     ci_job: str | None
     pytest_rss_start_bytes: int | None
     pytest_rss_end_bytes: int | None
+    exit_status: int | None = None  # pytest's exit status (2: interrupted); None in older reports
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -191,6 +203,7 @@ class Session:
             if not isinstance(values[name], str):
                 values[name] = None
         values["gpus"] = values["gpus"] if _is_int(values["gpus"]) else 0
+        values["exit_status"] = values["exit_status"] if _is_int(values["exit_status"]) else None
         values["pytest_args"] = [str(a) for a in values["pytest_args"] or []]
         for name in ("started", "markexpr", "host", "platform", "python"):
             values[name] = str(values[name] or "")
@@ -213,7 +226,7 @@ class Report:
     @classmethod
     def from_json(cls, data: Any) -> Report:
         """Parse a report; `SchemaError` says what is missing or of another version."""
-        if not isinstance(data, dict) or data.get("version") != REPORT_VERSION:
+        if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise SchemaError(f"not a version-{REPORT_VERSION} kit report (version: {found!r})")
         tests = data.get("tests")
