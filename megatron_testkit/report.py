@@ -168,7 +168,8 @@ def build_report(session: dict[str, Any], rows: list[dict[str, Any]]) -> dict[st
     The rows go through the schema (`Report.from_json`), so a row that does not fit it fails here,
     where it is written, not in the CI job that reads it.
     """
-    counts = dict.fromkeys(OUTCOMES, 0)
+    # The four outcomes every report has counted always; `interrupted` only in a session it ended.
+    counts = dict.fromkeys(OUTCOMES[:4], 0)
     for row in rows:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
     report = Report.from_json(

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-# 2: the ``interrupted`` outcome, the session's ``exit_status``, a rank's ``peak_process``.
-REPORT_VERSION = 2
-# Versions `Report.from_json` reads: version 1 differs only by lacking those (read as absent).
-READABLE_VERSIONS = (1, 2)
+# Additions that readers of version 1 parse unchanged (absent reads as None) keep the version: the
+# ``interrupted`` outcome, the session's ``exit_status``, a rank's ``peak_process``.
+REPORT_VERSION = 1
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
 OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
@@ -226,7 +225,7 @@ class Report:
     @classmethod
     def from_json(cls, data: Any) -> Report:
         """Parse a report; `SchemaError` says what is missing or of another version."""
-        if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
+        if not isinstance(data, dict) or data.get("version") != REPORT_VERSION:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise SchemaError(f"not a version-{REPORT_VERSION} kit report (version: {found!r})")
         tests = data.get("tests")
