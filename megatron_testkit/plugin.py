@@ -215,7 +215,7 @@ def _check_kit_environment() -> None:
         lambda: devices.device_memory_cap(None),
         lambda: devices.host_budget(1, cuda=True),
         devices.required_gpus,
-        _check_seed,
+        lambda: attribution.seed_for(""),
         _check_rank_cgroup,
     )
     for check in checks:
@@ -223,12 +223,6 @@ def _check_kit_environment() -> None:
             check()
         except ValueError as exc:
             raise pytest.UsageError(f"kit: {exc}") from None
-
-
-def _check_seed() -> None:
-    raw = os.environ.get("KIT_SEED", "").strip()
-    if raw and not (raw.isdigit() and int(raw) < 2**31):
-        raise ValueError(f"KIT_SEED={raw!r}: expected a whole number from 0 to 2**31-1 (a report's seed)")
 
 
 def _check_rank_cgroup() -> None:

@@ -374,6 +374,10 @@ class _Launch:
         budget: MemoryBudget | None,
     ) -> None:
         payload = _check_picklable(fn, args)
+        # The runner's memory: enforced here on the ranks' summed RSS (KIT_HOST_MEMORY), or by the
+        # kernel in the ranks' cgroup (KIT_RANK_CGROUP), whose OOM counter is read before and after.
+        # Read first: a malformed value is refused before anything is made.
+        self.host_limit = runner_limit.host_memory_limit()
         context = attribution.current()
         self.in_test = attribution.current_test_id() is not None
         self.test_id = attribution.current_test_id() or f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
@@ -401,9 +405,6 @@ class _Launch:
         # megatron's groups take this timeout (fixtures.megatron.init_model_parallel), not 30 minutes.
         self.env[flight_recorder.PG_TIMEOUT_ENV] = str(self.pg_timeout)
         self.env.update(env or {})
-        # The runner's memory: enforced here on the ranks' summed RSS (KIT_HOST_MEMORY), or by the
-        # kernel in the ranks' cgroup (KIT_RANK_CGROUP), whose OOM counter is read before and after.
-        self.host_limit = runner_limit.host_memory_limit()
         self.rss_before: dict[int, int] = {}
         # Without a ranks' cgroup, the ranks share this process's own memory cgroup (a container's,
         # a CI job's): a kernel OOM kill there is read from its oom_kill counter alone.
