@@ -13,7 +13,10 @@ outside it, so it always survives to write the report. In order of preference:
 
 A `RankWatcher` finds the ranks among pytest's descendants (the launcher names them
 ``kit-rank-R-of-W`` on their command line) and moves each into the group as soon as it appears,
-knowing from its environment which test launched it. A kernel OOM kill in the group is read from
+knowing from its environment which test launched it. A rank's memory is its own RSS plus its
+descendants' (its worker processes are charged to the job as its own). Before the env method kills
+a rank it leaves a note in the rank's launch directory, so the launcher's verdict and the report
+say `oom` as this summary does. A kernel OOM kill in the group is read from
 the group's own counters (v2 ``memory.events`` oom_kill, v1 ``memory.oom_control`` oom_kill, else
 a ``memory.failcnt`` rise) and pinned on the rank that died with it. The group is removed once its
 last process has exited. The chosen method is reported, never silently downgraded.

@@ -4,7 +4,9 @@ Each call spawns ``world_size`` fresh Python processes (never forks the test pro
 its own session so that its whole process tree can be killed. They rendezvous through a
 FileStore in the launch's directory, so parallel pytest workers never compete for a port. The
 parent polls them; the first failure tears the others down, and `megatron_testkit.diagnosis` turns what
-they left behind into a `RankFailure` that leads with the root cause.
+they left behind into a `RankFailure` that leads with the root cause. Every process a launch starts
+carries its marker (``KIT_RANK_SPEC``) in its environment: whatever still carries it when the launch
+ends (a double-forked daemon included) is killed and counted as leaked.
 
 Under ``torchrun`` (RANK and WORLD_SIZE set by an elastic agent) nothing is spawned: the
 function runs in this process on this rank, so the same tests run as multi-node jobs.
