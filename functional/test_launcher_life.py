@@ -13,15 +13,16 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from fixtures.inner_session import inner_env
+from fixtures.inner_session import inner_env, run_inner_session
 from megatron_testkit import attribution
-from megatron_testkit.budgets import MemoryBudget, parse_size
+from megatron_testkit.budgets import parse_size
 from megatron_testkit.ranks import RankFailure, run_ranks
 
 pytestmark = pytest.mark.L0
@@ -112,36 +113,82 @@ def test_a_result_that_fails_to_unpickle_names_its_rank_and_the_launch_is_record
     assert context.runs[-1].failure is not None and context.runs[-1].failure.rank == 1
 
 
-# A daemon as a rank's library might start one: fork, new session, fork again, the middle exits,
-# so the daemon is re-parented away from the rank and out of its process group.
-DAEMON = textwrap.dedent(
-    """
-    import os, sys, time
-    path = sys.argv[1]
-    if os.fork() == 0:
-        os.setsid()
+# Scenarios that leave processes behind on purpose (a daemon, a worker orphaned by its rank's
+# budget stop): they run in an inner session, so the leaks they count are in its report, not in
+# this session's (whose tests must end with leaked_processes 0).
+LEAVING = textwrap.dedent(
+    '''
+    import os, subprocess, sys, time
+    from pathlib import Path
+
+    from megatron_testkit.budgets import MemoryBudget
+    from megatron_testkit.ranks import run_ranks
+
+    # A daemon as a rank's library might start one: fork, new session, fork again, the middle
+    # exits, so the daemon is re-parented away from the rank and out of its process group.
+    DAEMON = """if True:
+        import os, sys, time
+        path = sys.argv[1]
         if os.fork() == 0:
-            with open(path + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.replace(path + ".tmp", path)
-            time.sleep(300)
-        os._exit(0)
-    os.wait()
+            os.setsid()
+            if os.fork() == 0:
+                with open(path + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.replace(path + ".tmp", path)
+                time.sleep(300)
+            os._exit(0)
+        os.wait()
     """
+
+
+    def start_daemon(rank, world_size, path):
+        subprocess.run(
+            [sys.executable, "-c", DAEMON, path],
+            check=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return int(Path(path).read_text())
+
+
+    # A worker process (a DataLoader worker, a pool) that holds memory for its rank.
+    HOLDER = "import sys, time; b = b'x' * (int(sys.argv[1]) * 2**20); print('ready', flush=True); time.sleep(60)"
+
+
+    def worker_holds(rank, world_size, mib, holder_rank):
+        if rank != holder_rank:
+            return 0
+        child = subprocess.Popen([sys.executable, "-c", HOLDER, str(mib)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(1.0)  # 50 samples of the rank's watchdog (every 20 ms), 20 of the launcher's
+            return child.pid
+        finally:
+            child.kill()
+            child.wait()
+
+
+    def test_daemon():
+        run_ranks(start_daemon, 1, timeout=120, args=(os.path.abspath("daemon.pid"),))
+
+
+    def test_worker_memory_against_the_budget():
+        # 800 MiB held by the worker alone is over the 600 MiB budget, whatever the rank itself
+        # holds (an idle rank with torch is ~300 MiB, under the budget on its own).
+        run_ranks(worker_holds, 1, timeout=120, args=(800, 0), budget=MemoryBudget.parse(host="600MiB"))
+
+
+    def test_worker_memory_against_the_runner(monkeypatch):
+        # Two idle ranks hold ~600 MiB together, under the 1200 MiB runner limit; rank 1's worker
+        # adds 1000 MiB, which the runner's kernel charges to the job as the ranks' own.
+        monkeypatch.setenv("KIT_HOST_MEMORY", "1200MiB")
+        monkeypatch.delenv("KIT_RANK_CGROUP", raising=False)
+        run_ranks(worker_holds, 2, timeout=120, args=(1000, 1))
+    '''
 )
-
-
-def start_daemon(rank: int, world_size: int, path: str) -> int:
-    subprocess.run(
-        [sys.executable, "-c", DAEMON, path],
-        check=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    while not os.path.exists(path):
-        time.sleep(0.01)
-    return int(Path(path).read_text())
 
 
 def _alive(pid: int) -> bool:
@@ -151,63 +198,44 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_double_forked_daemon_is_killed_and_counted_as_leaked(tmp_path: Path) -> None:
-    context = attribution.current()
-    assert context is not None
-    (daemon,) = run_ranks(start_daemon, 1, timeout=120, args=(str(tmp_path / "daemon.pid"),))
-    try:
-        assert not _alive(daemon), "the daemon outlived its launch"
-        assert context.runs[-1].leaked_processes >= 1
-    finally:
-        if _alive(daemon):
-            psutil.Process(daemon).kill()
+@pytest.fixture(scope="module")
+def leaving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The LEAVING scenarios, run once in an inner session; the daemon's pid with the results."""
+    root = tmp_path_factory.mktemp("leaving")
+    result = run_inner_session(root, "test_leaving.py", LEAVING)
+    daemon_pid = root / "daemon.pid"  # written by the daemon (the inner session runs in root)
+    daemon = int(daemon_pid.read_text()) if daemon_pid.exists() else None
+    yield {**result, "daemon": daemon}
+    if daemon is not None and _alive(daemon):
+        psutil.Process(daemon).kill()  # only where the launcher failed to (its test says so)
 
 
-# A worker process (a DataLoader worker, a pool) that holds memory for its rank.
-HOLDER = (
-    "import sys, time\nb = b'x' * (int(sys.argv[1]) * 2**20)\nprint('ready', flush=True)\ntime.sleep(60)\n"
-)
+def test_a_double_forked_daemon_is_killed_and_counted_as_leaked(leaving: dict[str, Any]) -> None:
+    row = leaving["rows"]["test_daemon"]
+    assert row["outcome"] == "passed", leaving["output"][-3000:]
+    assert leaving["daemon"] is not None
+    assert not _alive(leaving["daemon"]), "the daemon outlived its launch"
+    assert row["leaked_processes"] >= 1
 
 
-def worker_holds(rank: int, world_size: int, mib: int, holder_rank: int) -> int:
-    if rank != holder_rank:
-        return 0
-    child = subprocess.Popen([sys.executable, "-c", HOLDER, str(mib)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        time.sleep(1.0)  # 50 samples of the rank's watchdog (every 20 ms), 20 of the launcher's
-        return child.pid
-    finally:
-        child.kill()
-        child.wait()
-
-
-def test_a_worker_process_holding_memory_counts_against_its_rank_budget() -> None:
-    # 800 MiB held by the worker alone is over the 600 MiB budget, whatever the rank itself holds
-    # (an idle rank with torch is ~300 MiB, under the budget on its own).
-    context = attribution.current()
-    assert context is not None
-    with pytest.raises(RankFailure) as info:
-        run_ranks(worker_holds, 1, timeout=120, args=(800, 0), budget=MemoryBudget.parse(host="600MiB"))
-    assert (info.value.rank, info.value.kind) == (0, "oom")
-    first = str(info.value).splitlines()[0]
-    assert "host memory budget exceeded" in first and "descendant" in first, first
-    peak = context.runs[-1].ranks[0]
+def test_a_worker_process_holding_memory_counts_against_its_rank_budget(leaving: dict[str, Any]) -> None:
+    row = leaving["rows"]["test_worker_memory_against_the_budget"]
+    assert row["outcome"] == "failed", leaving["output"][-3000:]
+    failure = row["failure"]
+    assert (failure["rank"], failure["kind"]) == (0, "oom")
+    assert "host memory budget exceeded" in failure["first_line"] and "descendant" in failure["first_line"]
+    (peak,) = row["ranks"]
     # Stopped as the sum crossed the budget, while the worker was still filling its 800 MiB.
-    assert peak.peak_host_bytes is not None and peak.peak_host_bytes > parse_size("600MiB")
-    assert peak.peak_process is not None and "import sys, time" in peak.peak_process, peak
+    assert peak["peak_host_bytes"] > parse_size("600MiB")
+    assert "import sys, time" in (peak["peak_process"] or ""), peak
 
 
-def test_the_whole_run_limit_counts_a_ranks_worker_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two idle ranks hold ~600 MiB together, under the 1200 MiB runner limit; rank 1's worker
-    # adds 1000 MiB, which the runner's kernel charges to the job as the ranks' own.
-    monkeypatch.setenv("KIT_HOST_MEMORY", "1200MiB")
-    monkeypatch.delenv("KIT_RANK_CGROUP", raising=False)
-    with pytest.raises(RankFailure) as info:
-        run_ranks(worker_holds, 2, timeout=120, args=(1000, 1))
-    assert (info.value.rank, info.value.kind) == (1, "oom")
-    first = str(info.value).splitlines()[0]
-    assert "KIT_HOST_MEMORY" in first and "descendant" in first, first
+def test_the_whole_run_limit_counts_a_ranks_worker_processes(leaving: dict[str, Any]) -> None:
+    row = leaving["rows"]["test_worker_memory_against_the_runner"]
+    assert row["outcome"] == "failed", leaving["output"][-3000:]
+    failure = row["failure"]
+    assert (failure["rank"], failure["kind"]) == (1, "oom")
+    assert "KIT_HOST_MEMORY" in failure["first_line"] and "descendant" in failure["first_line"]
 
 
 RACER = textwrap.dedent(
