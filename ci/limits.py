@@ -13,7 +13,10 @@ outside it, so it always survives to write the report. In order of preference:
 
 A `RankWatcher` finds the ranks among pytest's descendants (the launcher names them
 ``kit-rank-R-of-W`` on their command line) and moves each into the group as soon as it appears,
-knowing from its environment which test launched it. A kernel OOM kill in the group is read from
+knowing from its environment which test launched it. A rank's memory is its own RSS plus its
+descendants' (its worker processes are charged to the job as its own). Before the env method kills
+a rank it leaves a note in the rank's launch directory, so the launcher's verdict and the report
+say `oom` as this summary does. A kernel OOM kill in the group is read from
 the group's own counters (v2 ``memory.events`` oom_kill, v1 ``memory.oom_control`` oom_kill, else
 a ``memory.failcnt`` rise) and pinned on the rank that died with it. The group is removed once its
 last process has exited. The chosen method is reported, never silently downgraded.
@@ -34,9 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_testkit.budgets import format_size
+from megatron_testkit.procfs import tree_rss
 from megatron_testkit.runner_limit import (
     RANK_CGROUP_ENV,
     cgroup_mounts,
+    launch_dir_of,
+    note_memory_kill,
     own_cgroup,
     rank_over_limit,
     read_oom_counters,
@@ -353,13 +359,10 @@ def _descendants(root: int) -> list[int]:
 
 
 def _rss(pid: int) -> int | None:
-    """Resident bytes, None once the process is gone or a zombie."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
-    return int(match.group(1)) * 1024 if match else None
+    """Resident bytes of a rank and its descendants (its worker processes are charged to the
+    runner as its own), None once the rank is gone or a zombie."""
+    tree = tree_rss(pid)
+    return None if tree is None else tree[0]
 
 
 class RankWatcher(threading.Thread):
@@ -431,17 +434,22 @@ class RankWatcher(threading.Thread):
             return
         rank = alive[culprit]
         total = sum(current.values())
+        reason = (
+            f"the ranks' summed RSS {format_size(total)} exceeded the runner's {format_size(limit_bytes)} "
+            f"(env method); rank {rank.rank} grew most and was killed at {format_size(rank.rss)}"
+        )
+        # Said before the kill, in the rank's launch directory: the launcher then names the death
+        # `oom` as this summary does, instead of a bare SIGKILL (one kill, one verdict).
+        run_dir = launch_dir_of(rank.pid)
+        if run_dir is not None:
+            note_memory_kill(run_dir, rank.rank, f"killed by python -m ci repro: {reason}")
+        with contextlib.suppress(OSError):
+            os.killpg(rank.pid, signal.SIGKILL)  # the rank leads its own group: its workers go too
         with contextlib.suppress(OSError):
             os.kill(rank.pid, signal.SIGKILL)
         rank.alive = False
         self._previous.pop(culprit, None)
-        self.kills.append(
-            Kill(
-                rank.nodeid, rank.rank, rank.world_size, rank.pid,
-                f"the ranks' summed RSS {format_size(total)} exceeded the runner's {format_size(limit_bytes)} "
-                f"(env method); rank {rank.rank} grew most and was killed at {format_size(rank.rss)}",
-            )
-        )  # fmt: skip
+        self.kills.append(Kill(rank.nodeid, rank.rank, rank.world_size, rank.pid, reason))
 
     def _attribute(self, died: Sequence[_Rank]) -> None:
         counted = self.limit.oom_kills()

@@ -23,11 +23,13 @@ from ci.report_input import printable
 from megatron_testkit.budgets import format_size
 from megatron_testkit.schema import TestEntry
 
-FAILED = ("failed", "error")
+# What repro reruns: a failure, and a test the session was stopped in (CI cancel, Ctrl-C), which
+# never got to pass.
+FAILED = ("failed", "error", "interrupted")
 
 
 def failed_tests(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The report's failed and errored tests, in report order, each node id once."""
+    """The report's failed, errored and interrupted tests, in report order, each node id once."""
     seen: dict[str, dict[str, Any]] = {}
     for test in report["tests"]:
         if test["outcome"] in FAILED and test["nodeid"] not in seen:
@@ -63,7 +65,7 @@ class Verdict:
     @property
     def cause(self) -> str:
         """``"rank 1 oom"``, ``"error"`` (a failure in the pytest process), ``"passed"``..."""
-        if self.outcome not in FAILED:
+        if self.outcome not in FAILED or self.outcome == "interrupted":
             return self.outcome
         kind = self.kind or "error"
         return f"rank {self.rank} {kind}" if self.rank is not None else kind

@@ -321,7 +321,9 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
     assert "rank 1 oom" in markdown
     for name in ("test_oom", "test_good_pair"):
         log_dir = Path(rows[name]["log_dir"])
-        assert log_dir.parent == scenarios["dir"] / "logs"
+        # In this session's own folder under logs/, which the kit marked as its own.
+        assert log_dir.parent.parent == scenarios["dir"] / "logs"
+        assert (log_dir.parent / ".megatron-testkit-session").is_file()
         assert (log_dir / "rank0.log").exists() and (log_dir / "rank1.log").exists()
     assert "kit report: ranks, peaks, budgets" in scenarios["output"]
     assert "pytest RSS grew" in scenarios["output"]

@@ -98,8 +98,12 @@ def seed_for(test_id: str) -> int:
 
     ``KIT_SEED`` overrides it (the report's `seed` column, replayed by a repro command).
     """
-    override = os.environ.get("KIT_SEED")
+    override = os.environ.get("KIT_SEED", "").strip()
     if override:
+        if not (override.isdigit() and int(override) < 2**31):
+            raise ValueError(
+                f"KIT_SEED={override!r}: expected a whole number from 0 to 2**31-1 (a report's seed)"
+            )
         return int(override)
     return int.from_bytes(hashlib.sha256(test_id.encode()).digest()[:4], "big") & 0x7FFFFFFF
 

@@ -67,6 +67,7 @@ class RankRecord:
     kind_hint: str | None = None
     peak_host_bytes: int | None = None
     peak_device_bytes: int | None = None
+    peak_process: str | None = None  # the descendant that held most of the rank's peak, if any
     last_collective: str | None = None
     collective_seq: int = 0
     stack: str | None = None
@@ -92,7 +93,14 @@ class RankRecord:
 
     def peak(self) -> RankPeak:
         """This rank's row in the report."""
-        return RankPeak(self.rank, self.peak_host_bytes, self.peak_device_bytes, self.exit_code, self.signal)
+        return RankPeak(
+            self.rank,
+            self.peak_host_bytes,
+            self.peak_device_bytes,
+            self.exit_code,
+            self.signal,
+            self.peak_process,
+        )
 
 
 class RankFailure(Exception):

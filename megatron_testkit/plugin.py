@@ -12,7 +12,11 @@ What it does for every test:
 - guards the shared session (`kit_leak_guard`, autouse) on tests that launched ranks, are marked
   ``world_size`` or ``leak_guard``, or on every test with ``kit_leak_guard = all`` (ini; ``off``
   disables it): no child process and no initialised default process group may outlive the test;
-- under torchrun, turns the agent's SIGTERM into a KeyboardInterrupt so every rank writes its report;
+- turns SIGTERM (a CI cancel, torchrun's agent) into a KeyboardInterrupt, as Ctrl-C: the ranks and
+  their helpers are killed, the test is recorded as ``interrupted`` with the session's exit status,
+  and the report and junit are written;
+- parses every ``KIT_*`` variable the kit reads at configuration (a bad value is a usage error);
+- keeps rank logs under ``--kit-report DIR`` in a folder of this session's (`report_dir`).
   Other tests are left alone, so a project's own long-lived workers (a ProcessPoolExecutor kept
   across tests) survive; the pytest process' RSS growth is recorded for every test;
 - attaches what it measured to the test's reports (``report.kit``), which xdist carries to the
@@ -25,7 +29,6 @@ import contextlib
 import datetime
 import os
 import platform
-import shutil
 import signal
 import socket
 import sys
@@ -43,6 +46,7 @@ from megatron_testkit import attribution, skips
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
 from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
+from megatron_testkit.report_dir import SessionLogs
 from megatron_testkit.schema import Session
 
 # The one list of the kit's markers (registered below; pyproject keeps no copy).
@@ -61,6 +65,7 @@ _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
 
 
 _SAVED_ROOTS = pytest.StashKey[tuple]()
+_WORKER_LOG_ROOT = "kit_log_root"  # this session's log folder, handed to xdist workers
 _SAVED_SIGTERM = pytest.StashKey[Any]()
 
 
@@ -71,7 +76,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="DIR",
         default=None,
         help="write DIR/kit-report.json and DIR/kit-report.md (per-test rank peaks, budgets, "
-        "outcomes) and keep every rank's log under DIR/logs/<test>/rank<N>.log",
+        "outcomes) and keep every rank's log under DIR/logs/<session>/<test>/rank<N>.log",
     )
     parser.addini(
         "kit_leak_guard",
@@ -97,7 +102,18 @@ class _KitSession:
         self.rss_start = _rss()
         option = config.getoption("--kit-report")
         self.report_dir = Path(config.invocation_params.dir, option).resolve() if option else None
+        self.logs = SessionLogs(self.report_dir) if self.report_dir is not None else None
         self.report: dict[str, Any] | None = None
+        self.interrupted_by = "interrupted"
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: Any) -> None:
+        """xdist: the workers' launches keep their logs in this session's folder too."""
+        if self.logs is not None:
+            node.workerinput[_WORKER_LOG_ROOT] = str(self.logs.path)
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        self.interrupted_by = f"interrupted ({excinfo.exconly().strip()})"
 
     # Hooks: this object is registered as a plugin on the reporting process only.
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -108,7 +124,9 @@ class _KitSession:
             self.collector.add(_CollectError(report))
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        self.report = build_report(self.session_header(), self.collector.rows_json())
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
+            self.collector.interrupt(self.interrupted_by)
+        self.report = build_report(self.session_header(int(exitstatus)), self.collector.rows_json())
         if self.report_dir is not None:
             write_report(self.report, self.report_dir)
 
@@ -118,11 +136,11 @@ class _KitSession:
         if not any(row["world_size"] for row in self.report["tests"]) and self.report_dir is None:
             return  # no ranks and no --kit-report: nothing worth a table
         terminalreporter.write_sep("=", "kit report: ranks, peaks, budgets")
-        terminalreporter.write_line(format_table(self.report))
+        terminalreporter.write_line(format_table(self.report, written=self.report_dir is not None))
         if self.report_dir is not None:
             terminalreporter.write_line(f"kit report written to {self.report_dir}/kit-report.{{json,md}}")
 
-    def session_header(self) -> dict[str, Any]:
+    def session_header(self, exit_status: int | None = None) -> dict[str, Any]:
         from megatron_testkit.ranks import cuda_device_count
 
         try:
@@ -146,6 +164,7 @@ class _KitSession:
             pytest_rss_start_bytes=self.rss_start,
             pytest_rss_end_bytes=_rss(),
             allowed_skips=_allowed_list(self.config.stash.get(_ALLOWED_SKIPS, None)),
+            exit_status=exit_status,
         ).to_json()
 
 
@@ -178,16 +197,18 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", line)
     _leak_guard_mode(config)  # a bad value is a usage error now, not in the first test's teardown
     _register_skip_policy(config)
+    _check_kit_environment()
     # Saved and restored: a pytester session run in-process must not redirect the outer one's logs.
     config.stash[_SAVED_ROOTS] = (attribution.log_root(), attribution.scratch_root())
-    option = config.getoption("--kit-report", None)
-    if option:
-        logs = Path(config.invocation_params.dir, option).resolve() / "logs"
-        if not _is_xdist_worker(config):
-            shutil.rmtree(logs, ignore_errors=True)  # this session's logs only, not a stale mix
-        attribution.set_log_root(str(logs))
-    if not _is_xdist_worker(config):
-        config.pluginmanager.register(_KitSession(config), "kit-session-report")
+    if _is_xdist_worker(config):
+        root = config.workerinput.get(_WORKER_LOG_ROOT)  # type: ignore[attr-defined]
+        if root:
+            attribution.set_log_root(root)
+    else:
+        kit_session = _KitSession(config)
+        config.pluginmanager.register(kit_session, "kit-session-report")
+        if kit_session.logs is not None:
+            attribution.set_log_root(str(kit_session.logs.path))
     config.stash[_SAVED_SIGTERM] = _sigterm_as_interrupt()
 
 
@@ -201,19 +222,53 @@ def _register_skip_policy(config: pytest.Config) -> None:
     config.pluginmanager.register(skips.SkipPolicy(allowed), "kit-skip-policy")
 
 
+def _check_kit_environment() -> None:
+    """Parse every ``KIT_*`` variable the kit reads, now: a bad value is a one-line usage error
+    naming it, not an abort at import nor a failure blamed on the first test or rank."""
+    from megatron_testkit import devices, ranks, runner_limit
+
+    checks = (
+        ranks.default_timeout,
+        runner_limit.host_memory_limit,
+        lambda: devices.device_memory_cap(None),
+        lambda: devices.host_budget(1, cuda=True),
+        devices.required_gpus,
+        lambda: attribution.seed_for(""),
+        _check_rank_cgroup,
+    )
+    for check in checks:
+        try:
+            check()
+        except ValueError as exc:
+            raise pytest.UsageError(f"kit: {exc}") from None
+
+
+def _check_rank_cgroup() -> None:
+    from megatron_testkit.runner_limit import RANK_CGROUP_ENV
+
+    raw = os.environ.get(RANK_CGROUP_ENV, "")
+    if raw and not Path(raw, "cgroup.procs").is_file():
+        raise ValueError(f"{RANK_CGROUP_ENV}={raw!r}: not a cgroup directory (no cgroup.procs in it)")
+
+
 def _sigterm_as_interrupt() -> Any:
-    """Under torchrun, the agent SIGTERMs the ranks left when one fails: as a KeyboardInterrupt,
-    pytest still ends the session and writes this rank's report. Only a default handler is
-    replaced (never one the project set); returns the handler to restore, or None."""
+    """SIGTERM as Ctrl-C: how CI runners cancel a job and how torchrun's agent stops the ranks
+    left when one fails. As a KeyboardInterrupt, the launcher kills the ranks and their helpers
+    and pytest ends the session, writing the report and junit. Later SIGTERMs are ignored while
+    that cleanup runs. Only a default handler is replaced (never one the project set); returns
+    the handler to restore, or None."""
     from megatron_testkit.ranks import in_torchrun
 
-    if not in_torchrun() or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return None
     if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return None
+    source = " from the torchrun agent" if in_torchrun() else ""
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum} (SIGTERM) from the torchrun agent")
+        # A Python handler, not SIG_IGN: an ignored signal would stay ignored in processes spawned later.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        raise KeyboardInterrupt(f"signal {signum} (SIGTERM){source}")
 
     return signal.signal(signal.SIGTERM, interrupt)
 
@@ -226,6 +281,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     previous = config.stash.get(_SAVED_SIGTERM, None)
     if previous is not None:
         signal.signal(signal.SIGTERM, previous)
+    kit_session = config.pluginmanager.get_plugin("kit-session-report")
+    if kit_session is not None and kit_session.logs is not None:
+        kit_session.logs.close()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

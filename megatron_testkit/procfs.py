@@ -37,3 +37,59 @@ def current_rss_bytes() -> int:
     """This process' resident set size now, from /proc/self/statm (cheap enough every 20 ms)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def children(pid: int | str = "self") -> list[int]:
+    """The direct children of a process (every thread's), from /proc; empty when it is gone."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def descendant_pids(pid: int | str = "self") -> list[int]:
+    """Every live descendant of a process, parents before their children."""
+    seen: list[int] = []
+    todo = children(pid)
+    while todo:
+        child = todo.pop(0)
+        if child not in seen:
+            seen.append(child)
+            todo += children(child)
+    return seen
+
+
+def tree_rss(pid: int | str = "self") -> tuple[int, list[tuple[int, int]]] | None:
+    """A process' resident set plus its descendants', sampled the same way (VmRSS of each).
+
+    Returns ``(total bytes, [(pid, bytes) of each descendant that holds memory])``; None when the
+    process itself is gone. Memory a worker process holds (a DataLoader worker, a pool) is the
+    rank's as far as the runner's memory is concerned: the kernel charges it to the same job.
+    """
+    own = rss_bytes(pid)
+    if own is None:
+        return None
+    parts = []
+    for child in descendant_pids(pid):
+        size = rss_bytes(child)
+        if size:
+            parts.append((child, size))
+    return own + sum(size for _, size in parts), parts
+
+
+def command_line(pid: int, limit: int = 160) -> str:
+    """``"pid 123: python -c ..."`` for messages (the process' arguments, clipped)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            text = " ".join(f.read().decode(errors="replace").split())  # arguments and newlines as spaces
+    except OSError:
+        text = "(gone)"
+    return f"pid {pid}: {text[:limit]}"

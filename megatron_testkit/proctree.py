@@ -4,7 +4,8 @@ Each rank starts in its own session, so its process group holds the rank and eve
 starts without a new session (dist_checkpointing's multiprocessing Manager and resource_tracker
 among them). Killing the group ends the lot, even after the rank itself has died and its helpers
 were re-parented. A snapshot of descendants taken while the rank lived catches helpers that left
-the group (daemons calling setsid).
+the group (daemons calling setsid); a daemon that double-forked between two snapshots is found by
+the launch's marker, which every process a rank starts inherits in its environment (`marked`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,29 @@ def group_members(pgid: int) -> list[psutil.Process]:
         except (ProcessLookupError, psutil.Error):
             continue
     return members
+
+
+def marked(name: str, value: str) -> list[psutil.Process]:
+    """Live processes whose environment holds ``name=value`` (ours only: others' are unreadable).
+
+    Finds what a launch left wherever it went: re-parented to init after a double fork, in a
+    session of its own. A process that rewrote its environment escapes this check.
+    """
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            proc = psutil.Process(int(entry.name))
+        except (OSError, psutil.Error):
+            continue
+        if _is_live(proc):
+            found.append(proc)
+    return found
 
 
 def signal_group(pgid: int, signum: int) -> None:

@@ -29,6 +29,10 @@ from megatron_testkit.procfs import current_rss_bytes
 
 # Exit code of a rank stopped by its host memory budget (its record says so).
 BUDGET_EXIT = 86
+# Exit code of a rank whose launcher died before the rank could ask to die with it.
+ORPHAN_EXIT = 87
+# The launching process' pid, which the rank checks is still its parent (set by the launcher).
+LAUNCHER_ENV = "KIT_LAUNCHER_PID"
 
 
 def peak_rss_bytes() -> int:
@@ -70,6 +74,9 @@ class _Rank:
         # torch, the test's module, the process group): a budget crossed then is too small.
         self.in_function = False
         self.idle_host_bytes: int | None = None
+        self.memory = TreeMemory()
+        self.budget_host: int | None = None
+        self.budget_device: int | None = None
 
     # -- records -----------------------------------------------------------------------------
     def write_record(self, status: str, **fields: Any) -> None:
@@ -83,7 +90,8 @@ class _Rank:
                 "status": status,
                 "started": self.started,
                 "time": time.time(),
-                "peak_host_bytes": peak_rss_bytes(),
+                "peak_host_bytes": max(peak_rss_bytes(), self.memory.peak),
+                "peak_process": self.memory.describe_holder(),
                 "peak_device_bytes": peak_device_bytes(),
                 "last_collective": self.last_collective,
                 "collective_seq": self.collective_seq,
@@ -108,7 +116,8 @@ class _Rank:
         if tb_obj is not None and tb_obj.tb_frame.f_code.co_filename == __file__ and tb_obj.tb_next:
             tb_obj = tb_obj.tb_next
         tb = "".join(traceback.format_exception(type(exc), exc, tb_obj))
-        sys.stderr.write(tb)
+        # The record first: the echo can fail (a function that closed or redirected stderr), and
+        # the exception must not be lost with it.
         self.write_record(
             "failed",
             exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
@@ -116,6 +125,7 @@ class _Rank:
             traceback=tb,
             kind_hint=kind_hint,
         )
+        _echo(tb)
         _flush_and_exit(1)
 
     # -- collectives -------------------------------------------------------------------------
@@ -141,41 +151,91 @@ class _Rank:
 
     # -- memory ------------------------------------------------------------------------------
     def watch_host_memory(self, budget: int, interval: float = 0.02) -> None:
-        """Stop the rank as `oom` when its RSS crosses the host budget.
+        """Stop the rank as `oom` when its memory (with its descendants') crosses the host budget.
 
         A sampled RSS watchdog rather than a resource limit: RLIMIT_AS counts virtual
         reservations (CUDA and allocator arenas reserve far more than they touch) and RLIMIT_DATA
         counts private writable mappings, which include untouched thread stacks and malloc arenas;
         both would fail ranks for memory they never used, and neither measures what the budget
-        states (resident memory). The watchdog can miss a spike shorter than its interval; the
-        exact high-water mark (VmHWM) is checked again after the function returns.
+        states (resident memory). The rank's worker processes (DataLoader workers, pools) count
+        too: the runner's kernel charges them to the same job. The watchdog can miss a spike
+        shorter than its interval; the exact high-water mark (VmHWM) is checked again after the
+        function returns.
         """
 
         def watch() -> None:
             while True:
-                rss = current_rss_bytes()
+                rss, parts = self.memory.sample()
                 if rss > budget:
-                    faulthandler.dump_traceback(file=self.stacks, all_threads=True)
-                    self.stacks.flush()
-                    message = (
-                        f"host memory budget exceeded: RSS {_fmt(rss)} > budget {_fmt(budget)} "
-                        f"(stopped by the kit's RSS watchdog)"
-                    )
-                    if not self.in_function:
-                        message += " before the test's function started (the rank's startup footprint)"
-                    sys.stderr.write(f"rank {self.rank}: {message}\n")
-                    self.write_record(
-                        "failed",
-                        exc_type="megatron_testkit.MemoryBudgetExceeded",
-                        exc_message=message,
-                        traceback=_main_thread_stack(),
-                        kind_hint="oom",
-                        budget_exceeded="host",
-                    )
-                    _flush_and_exit(BUDGET_EXIT)
+                    self.stop_for_budget(rss, parts, budget)
                 time.sleep(interval)
 
         threading.Thread(target=watch, name="kit-rss-watchdog", daemon=True).start()
+
+    def stop_for_budget(self, rss: int, parts: list[tuple[int, int]], budget: int) -> None:
+        """Record the budget overrun (stacks, who held the memory), then exit with `BUDGET_EXIT`."""
+        faulthandler.dump_traceback(file=self.stacks, all_threads=True)
+        with contextlib.suppress(OSError, ValueError):
+            self.stacks.flush()
+        message = f"host memory budget exceeded: RSS {_fmt(rss)} > budget {_fmt(budget)} (stopped by the kit's RSS watchdog)"
+        if parts:
+            message += f"; {_held_by(rss, parts)}"
+        if not self.in_function:
+            message += " before the test's function started (the rank's startup footprint)"
+        self.write_record(
+            "failed",
+            exc_type="megatron_testkit.MemoryBudgetExceeded",
+            exc_message=message,
+            traceback=_main_thread_stack(),
+            kind_hint="oom",
+            budget_exceeded="host",
+        )
+        _echo(f"rank {self.rank}: {message}\n")
+        _flush_and_exit(BUDGET_EXIT)
+
+
+class TreeMemory:
+    """This process' resident memory plus its descendants', and the peak of that sum.
+
+    The descendants are listed again every ``refresh`` samples (a /proc walk over every thread);
+    their sizes are read at each sample, as the rank's own.
+    """
+
+    def __init__(self, refresh: int = 5) -> None:
+        self.refresh = refresh
+        self.peak = 0
+        self.holder: tuple[int, int] | None = None  # (pid, bytes): the largest descendant at the peak
+        self._children: list[int] = []
+        self._samples = 0
+
+    def sample(self) -> tuple[int, list[tuple[int, int]]]:
+        """The sum now, and ``(pid, bytes)`` of each descendant holding memory."""
+        if self._samples % self.refresh == 0:
+            self._children = procfs.descendant_pids()
+        self._samples += 1
+        parts = [(pid, size) for pid in self._children if (size := procfs.rss_bytes(pid))]
+        total = current_rss_bytes() + sum(size for _, size in parts)
+        if total > self.peak:
+            self.peak = total
+            self.holder = max(parts, key=lambda part: part[1]) if parts else None
+        return total, parts
+
+    def describe_holder(self) -> str | None:
+        """Which descendant held the most at the peak, e.g. ``pid 12: python -c ... held 800MiB``."""
+        if self.holder is None:
+            return None
+        pid, size = self.holder
+        return f"{procfs.command_line(pid)} held {_fmt(size)} of the rank's peak {_fmt(self.peak)}"
+
+
+def _held_by(total: int, parts: list[tuple[int, int]]) -> str:
+    """``the rank's own RSS 300MiB, its descendants 800MiB (largest pid 12: ...)``."""
+    children = sum(size for _, size in parts)
+    pid, size = max(parts, key=lambda part: part[1])
+    return (
+        f"the rank's own RSS {_fmt(total - children)}, its {len(parts)} descendant process(es) "
+        f"{_fmt(children)} (largest {procfs.command_line(pid)}: {_fmt(size)})"
+    )
 
 
 def _main_thread_stack() -> str:
@@ -189,6 +249,12 @@ def _fmt(size: int) -> str:
     return format_size(size)
 
 
+def _echo(text: str) -> None:
+    """Write to the rank's log; a stream the test's function closed or broke is not an error here."""
+    with contextlib.suppress(Exception):
+        sys.stderr.write(text)
+
+
 def _flush_and_exit(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -197,11 +263,18 @@ def _flush_and_exit(code: int) -> None:
     os._exit(code)
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this rank if the launching process dies (Linux only)."""
+def _die_with_parent(launcher: int | None) -> None:
+    """Ask the kernel to SIGKILL this rank if the launching process dies (Linux only).
+
+    The request covers only a death after it is made: a launcher that died between spawning
+    this rank and now has already re-parented it, so the parent is checked once more after it,
+    and a rank whose launcher is gone exits before running anything.
+    """
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if launcher is not None and os.getppid() != launcher:
+        os._exit(ORPHAN_EXIT)
 
 
 def _seed_everything(seed: int) -> None:
@@ -249,73 +322,96 @@ def _load_main(main: dict[str, str]) -> None:
     sys.modules["__main__"] = module
 
 
-def run(spec: dict[str, Any], rank: int) -> None:
-    """Run ``fn(rank, world_size, *args)`` for this rank and exit; never returns."""
+def _watch(spec: dict[str, Any], rank: int) -> _Rank:
+    """The rank's state with its stack dumps on and its host budget's watchdog running."""
     state = _Rank(spec, rank)
     faulthandler.enable(file=state.stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=state.stacks, all_threads=True, chain=False)
-    world_size = spec["world_size"]
     # A CUDA rank's RSS carries the driver, context and libraries on top of what the test uses.
     cuda_rank = devices.uses_cuda(spec["backend"], gpu_test=spec.get("gpu_test"), environ=os.environ)
-    budget_host = devices.host_budget(spec.get("budget_host_bytes"), cuda=cuda_rank)
-    budget_device = spec.get("budget_device_bytes")
-    if budget_host:
-        state.watch_host_memory(budget_host)
-    try:
-        import torch
-        import torch.distributed as dist
+    state.budget_host = devices.host_budget(spec.get("budget_host_bytes"), cuda=cuda_rank)
+    state.budget_device = spec.get("budget_device_bytes")
+    if state.budget_host:
+        state.watch_host_memory(state.budget_host)
+    return state
 
-        # An idle rank's footprint (Python + torch): the launcher refuses smaller host budgets.
-        state.idle_host_bytes = current_rss_bytes()
-        torch.set_num_threads(spec["threads"])
-        _seed_everything(spec["seed"] + rank)
-        if spec.get("track_collectives", True):
-            state.track_collectives()
-        if spec.get("main"):
-            _load_main(spec["main"])
-        with open(spec["payload"], "rb") as f:
-            fn, args = pickle.load(f)
-        backend = spec["backend"]
-        # KIT_DEVICE_MEMORY is the CI card's memory (set by the GPU job rows of ci/jobs.py): a
-        # bigger local GPU is capped to it even for tests without a device budget.
-        # NCCL: one device per rank, capped now; otherwise the cap waits for CUDA's first use,
-        # so KIT_DEVICE_MEMORY alone never creates a CUDA context in a gloo rank.
-        devices.apply_device_cap(rank, backend, device_cap(budget_device))
-        from datetime import timedelta
 
-        store = dist.FileStore(spec["store"], world_size)
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=spec["pg_timeout_s"]),
+def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[Any, ...]]:
+    """Threads, seeds, collective tracking, the test's function and the process group."""
+    import torch
+    import torch.distributed as dist
+
+    # An idle rank's footprint (Python + torch): the launcher refuses smaller host budgets.
+    state.idle_host_bytes = current_rss_bytes()
+    torch.set_num_threads(spec["threads"])
+    _seed_everything(spec["seed"] + rank)
+    if spec.get("track_collectives", True):
+        state.track_collectives()
+    if spec.get("main"):
+        _load_main(spec["main"])
+    with open(spec["payload"], "rb") as f:
+        fn, args = pickle.load(f)
+    backend = spec["backend"]
+    # KIT_DEVICE_MEMORY is the CI card's memory (set by the GPU job rows of ci/jobs.py): a
+    # bigger local GPU is capped to it even for tests without a device budget.
+    # NCCL: one device per rank, capped now; otherwise the cap waits for CUDA's first use,
+    # so KIT_DEVICE_MEMORY alone never creates a CUDA context in a gloo rank.
+    devices.apply_device_cap(rank, backend, device_cap(state.budget_device))
+    from datetime import timedelta
+
+    dist.init_process_group(
+        backend,
+        store=dist.FileStore(spec["store"], spec["world_size"]),
+        rank=rank,
+        world_size=spec["world_size"],
+        timeout=timedelta(seconds=spec["pg_timeout_s"]),
+    )
+    return fn, args
+
+
+def _check_peaks(state: _Rank) -> None:
+    """MemoryError when the exact peaks (VmHWM, with the descendants' sampled sum) broke a budget."""
+    state.memory.sample()  # the descendants still alive count once more, budget or not
+    peak_host, peak_device = max(peak_rss_bytes(), state.memory.peak), peak_device_bytes()
+    if state.budget_host and peak_host > state.budget_host:
+        raise MemoryError(
+            f"host memory budget exceeded: peak RSS {_fmt(peak_host)} > budget {_fmt(state.budget_host)}"
         )
+    if state.budget_device and peak_device is not None and peak_device > state.budget_device:
+        raise MemoryError(
+            f"device memory budget exceeded: peak allocated {_fmt(peak_device)} > budget {_fmt(state.budget_device)}"
+        )
+
+
+def _finish(state: _Rank, result: Any) -> None:
+    """Leave the result, then leave the process group together with the peers."""
+    import torch.distributed as dist
+
+    with open(state.run_dir / f"rank{state.rank}.result", "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        if state.spec["world_size"] > 1:
+            # Every rank past init and out of the function before any tears its group down: a
+            # rank that finishes first (a function without collectives) would otherwise close
+            # its sockets while a peer is still connecting to it. A peer that died makes this
+            # fail fast (its sockets are closed), as a knock-on the diagnosis sees through.
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(spec: dict[str, Any], rank: int) -> None:
+    """Run ``fn(rank, world_size, *args)`` for this rank and exit; never returns."""
+    state = _watch(spec, rank)
+    try:
+        fn, args = _set_up(spec, rank, state)
         state.in_function = True
-        result = fn(rank, world_size, *args)
+        result = fn(rank, spec["world_size"], *args)
     except BaseException as exc:
         state.fail(exc, _classify_exception(exc))
         return
     try:
-        peak_host, peak_device = peak_rss_bytes(), peak_device_bytes()
-        if budget_host and peak_host > budget_host:
-            raise MemoryError(
-                f"host memory budget exceeded: peak RSS {_fmt(peak_host)} > budget {_fmt(budget_host)}"
-            )
-        if budget_device and peak_device is not None and peak_device > budget_device:
-            raise MemoryError(
-                f"device memory budget exceeded: peak allocated {_fmt(peak_device)} > budget {_fmt(budget_device)}"
-            )
-        with open(state.run_dir / f"rank{rank}.result", "wb") as f:
-            pickle.dump(result, f)
-        if dist.is_initialized():
-            if world_size > 1:
-                # Every rank past init and out of the function before any tears its group down: a
-                # rank that finishes first (a function without collectives) would otherwise close
-                # its sockets while a peer is still connecting to it. A peer that died makes this
-                # fail fast (its sockets are closed), as a knock-on the diagnosis sees through.
-                dist.barrier()
-            dist.destroy_process_group()
+        _check_peaks(state)
+        _finish(state, result)
     except BaseException as exc:
         state.fail(exc, "oom" if isinstance(exc, MemoryError) else None)
         return
@@ -325,7 +421,8 @@ def run(spec: dict[str, Any], rank: int) -> None:
 
 def main() -> None:
     """Entry point: ``main()`` with ``KIT_RANK_SPEC`` and ``RANK`` in the environment."""
-    _die_with_parent()
+    launcher = os.environ.get(LAUNCHER_ENV)
+    _die_with_parent(int(launcher) if launcher and launcher.isdigit() else None)
     with open(os.environ["KIT_RANK_SPEC"]) as f:
         spec = json.load(f)
     run(spec, int(os.environ["RANK"]))

@@ -4,7 +4,9 @@ Each call spawns ``world_size`` fresh Python processes (never forks the test pro
 its own session so that its whole process tree can be killed. They rendezvous through a
 FileStore in the launch's directory, so parallel pytest workers never compete for a port. The
 parent polls them; the first failure tears the others down, and `megatron_testkit.diagnosis` turns what
-they left behind into a `RankFailure` that leads with the root cause.
+they left behind into a `RankFailure` that leads with the root cause. Every process a launch starts
+carries its marker (``KIT_RANK_SPEC``) in its environment: whatever still carries it when the launch
+ends (a double-forked daemon included) is killed and counted as leaked.
 
 Under ``torchrun`` (RANK and WORLD_SIZE set by an elastic agent) nothing is spawned: the
 function runs in this process on this rank, so the same tests run as multi-node jobs.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import os
 import pickle
 import shutil
@@ -23,13 +26,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import psutil
 
-from megatron_testkit import attribution, devices, flight_recorder, procfs, proctree, runner_limit
+from megatron_testkit import (
+    attribution,
+    devices,
+    flight_recorder,
+    procfs,
+    proctree,
+    rank_worker,
+    runner_limit,
+)
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
 from megatron_testkit.schema import Run
@@ -45,7 +56,9 @@ __all__ = [
     "run_ranks",
 ]
 
-DEFAULT_TIMEOUT = float(os.environ.get("KIT_RANK_TIMEOUT", "300"))
+# Seconds a launch may take when neither ``timeout=`` nor KIT_RANK_TIMEOUT says otherwise.
+DEFAULT_TIMEOUT = 300.0
+TIMEOUT_ENV = "KIT_RANK_TIMEOUT"
 # After the first failure, how long the other ranks get to fail on their own (their knock-on
 # errors are evidence) before the launcher dumps their stacks and kills them.
 _GRACE_S = 1.0
@@ -68,6 +81,41 @@ _BOOTSTRAP = (
     "from megatron_testkit.rank_worker import main\n"
     "main()\n"
 )
+
+
+def check_timeout(value: Any, what: str = "timeout") -> float:
+    """A launch timeout in seconds: a finite number above 0 (NaN would disable hang detection,
+    infinity overflow the process group's timeout, 0 read as an instant hang); TypeError for
+    what is not a number, ValueError for a number out of range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{what} must be a finite number of seconds above 0, got {value!r}")
+    return float(value)
+
+
+def default_timeout(environ: dict[str, str] | None = None) -> float:
+    """``KIT_RANK_TIMEOUT`` (checked by `check_timeout`), else `DEFAULT_TIMEOUT`; ValueError
+    naming the variable for a value that is not a finite number of seconds above 0."""
+    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
+    try:
+        return check_timeout(float(raw))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{TIMEOUT_ENV}={raw!r}: expected a finite number of seconds above 0, e.g. 300"
+        ) from None
+
+
+def check_world_size(value: Any) -> int:
+    """A world size: a positive int (bool and float are refused); ValueError or TypeError else."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"world_size must be a positive int, got {value!r} ({type(value).__name__})")
+    value = operator.index(value)
+    if value < 1:
+        raise ValueError(f"world_size must be >= 1, got {value}")
+    return value
 
 
 def in_torchrun() -> bool:
@@ -201,7 +249,9 @@ def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, 
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
-            "KIT_RANK_SPEC": str(spec_path),
+            runner_limit.LAUNCH_SPEC_ENV: str(spec_path),
+            # The rank checks that this process is still its parent once it asked to die with it.
+            rank_worker.LAUNCHER_ENV: str(os.getpid()),
             "CUDA_DEVICE_MAX_CONNECTIONS": "1",
             "OMP_NUM_THREADS": str(threads),
             "PYTHONUNBUFFERED": "1",
@@ -233,8 +283,9 @@ class _RankProcess:
     status: str = "running"  # running, ok, failed, torn_down, hung
     exit_time: float | None = None
     sampled_peak: int | None = None
-    rss: int | None = None  # sampled each poll under KIT_HOST_MEMORY
-    runner_oom: str | None = None  # why the launcher killed it for the runner's memory limit
+    peak_process: str | None = None  # the descendant that held most at the sampled tree peak
+    rss: int | None = None  # the rank's tree, sampled each poll under KIT_HOST_MEMORY
+    descendants: list[tuple[int, int]] = field(default_factory=list)  # (pid, RSS) at that sample
 
     def poll(self, sample_rss: bool = False, record: Path | None = None) -> bool:
         """Sample the peak (and the RSS); note an exit. True when the rank has just failed.
@@ -246,7 +297,7 @@ class _RankProcess:
         if peak is not None:
             self.sampled_peak = max(peak, self.sampled_peak or 0)
         if sample_rss:
-            self.rss = procfs.rss_bytes(self.proc.pid)
+            self.sample_tree()
         rc = self.proc.poll()
         if rc is None:
             return False
@@ -254,6 +305,17 @@ class _RankProcess:
         finished = rc == 0 and (record is None or record.exists())
         self.status = "ok" if finished else "failed"
         return not finished
+
+    def sample_tree(self) -> None:
+        """The rank's RSS with its descendants' (its worker processes count against the runner's
+        memory as its own); a new tree peak remembers the descendant that held most."""
+        tree = procfs.tree_rss(self.proc.pid)
+        self.rss, self.descendants = (None, []) if tree is None else tree
+        if self.rss is not None and self.rss > (self.sampled_peak or 0):
+            self.sampled_peak = self.rss
+            if self.descendants:
+                pid, size = max(self.descendants, key=lambda part: part[1])
+                self.peak_process = f"{procfs.command_line(pid)} held {format_size(size)}"
 
     def record(self, run_dir: Path) -> RankRecord:
         """Everything the rank left behind (its record, state, stacks, log), as a `RankRecord`."""
@@ -264,6 +326,7 @@ class _RankProcess:
         rec.time = self.exit_time
         rec.log_path = str(run_dir / f"rank{self.rank}.log")
         rec.peak_host_bytes = self.sampled_peak
+        rec.peak_process = self.peak_process
         path = run_dir / f"rank{self.rank}.json"
         if rc == 0 and not path.exists():
             # Exited with status 0 but never got to write its record: it did not return.
@@ -274,7 +337,8 @@ class _RankProcess:
                 setattr(rec, key, data.get(key))
             rec.collective_seq = data.get("collective_seq") or 0
             rec.time = data.get("time", rec.time)
-            rec.peak_host_bytes = data.get("peak_host_bytes") or rec.peak_host_bytes
+            rec.peak_host_bytes = max(data.get("peak_host_bytes") or 0, rec.peak_host_bytes or 0) or None
+            rec.peak_process = data.get("peak_process") or rec.peak_process
             rec.peak_device_bytes = data.get("peak_device_bytes")
             rec.extra["in_function"] = data.get("in_function", True)
             rec.extra["idle_host_bytes"] = data.get("idle_host_bytes")
@@ -290,6 +354,10 @@ class _RankProcess:
         # A rank killed without a record (NCCL's watchdog aborts with SIGABRT) is diagnosed
         # from what it printed last; the message shows every rank's last lines on failure.
         rec.log_tail = _read_tail(Path(rec.log_path))
+        killed = runner_limit.read_memory_kill(run_dir, self.rank)
+        if killed is not None and rec.status == "failed" and not rec.exc_type:
+            # Killed for the runner's memory by the launcher or by `ci repro`'s watcher, who said so first.
+            rec.exc_type, rec.exc_message, rec.kind_hint = _RUNNER_OOM, killed, "oom"
         return rec
 
 
@@ -308,6 +376,10 @@ class _Launch:
         budget: MemoryBudget | None,
     ) -> None:
         payload = _check_picklable(fn, args)
+        # The runner's memory: enforced here on the ranks' summed RSS (KIT_HOST_MEMORY), or by the
+        # kernel in the ranks' cgroup (KIT_RANK_CGROUP), whose OOM counter is read before and after.
+        # Read first: a malformed value is refused before anything is made.
+        self.host_limit = runner_limit.host_memory_limit()
         context = attribution.current()
         self.in_test = attribution.current_test_id() is not None
         self.test_id = attribution.current_test_id() or f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
@@ -335,9 +407,6 @@ class _Launch:
         # megatron's groups take this timeout (fixtures.megatron.init_model_parallel), not 30 minutes.
         self.env[flight_recorder.PG_TIMEOUT_ENV] = str(self.pg_timeout)
         self.env.update(env or {})
-        # The runner's memory: enforced here on the ranks' summed RSS (KIT_HOST_MEMORY), or by the
-        # kernel in the ranks' cgroup (KIT_RANK_CGROUP), whose OOM counter is read before and after.
-        self.host_limit = runner_limit.host_memory_limit()
         self.rss_before: dict[int, int] = {}
         # Without a ranks' cgroup, the ranks share this process's own memory cgroup (a container's,
         # a CI job's): a kernel OOM kill there is read from its oom_kill counter alone.
@@ -410,11 +479,8 @@ class _Launch:
             if self.host_limit is not None:
                 self.enforce_host_limit(self.host_limit)
             if now - last_scan > 0.5:
-                # Remember helpers that might leave the rank's process group before it dies.
                 last_scan = now
-                for r in self.ranks:
-                    for child in proctree.descendants(r.proc.pid):
-                        self.helpers.setdefault(child.pid, child)
+                self.scan_trees()
             running = self.running()
             if not running:
                 return False
@@ -426,18 +492,32 @@ class _Launch:
                 return True
             time.sleep(_POLL_S)
 
+    def scan_trees(self) -> None:
+        """Remember helpers that might leave the rank's process group before it dies, and sample
+        each running rank's tree for its peak (its worker processes' memory is its own)."""
+        for r in self.ranks:
+            for child in proctree.descendants(r.proc.pid):
+                self.helpers.setdefault(child.pid, child)
+        if self.host_limit is None:  # with a limit, every poll samples the trees already
+            for r in self.running():
+                r.sample_tree()
+
     def enforce_host_limit(self, limit: int) -> None:
-        """Kill the rank that pushed the running ranks' summed RSS over the runner's memory."""
+        """Kill the rank that pushed the running ranks' summed memory (each rank with its
+        descendants) over the runner's memory; its note says so before it dies."""
         current = {r.rank: r.rss for r in self.running() if r.rss is not None}
         culprit = runner_limit.rank_over_limit(self.rss_before, current, limit)
         self.rss_before = current
         if culprit is None:
             return
         r = self.ranks[culprit]
-        r.runner_oom = (
+        held = f" (with {len(r.descendants)} descendant process(es))" if r.descendants else ""
+        runner_limit.note_memory_kill(
+            self.run_dir,
+            culprit,
             f"the ranks' summed RSS {format_size(sum(current.values()))} > {format_size(limit)} "
             f"(KIT_HOST_MEMORY, the runner's memory); rank {culprit} grew most and was killed by the "
-            f"launcher at RSS {format_size(current[culprit])}"
+            f"launcher at RSS {format_size(current[culprit])}{held}",
         )
         proctree.signal_group(r.proc.pid, signal.SIGKILL)
         self.rss_before.pop(culprit, None)
@@ -445,12 +525,10 @@ class _Launch:
     def name_runner_ooms(self, records: list[RankRecord]) -> None:
         """Mark the ranks the runner's memory limit killed as ``oom``, saying how it was seen.
 
-        A rank the launcher killed (KIT_HOST_MEMORY) says so; in the ranks' cgroup, ranks killed by
-        SIGKILL while the group's OOM counter rose are the kernel OOM killer's, earliest first.
+        A rank the launcher or `ci repro` killed left a note that says so (read with its record); in
+        the ranks' cgroup, ranks killed by SIGKILL while the group's OOM counter rose are the kernel
+        OOM killer's, earliest first.
         """
-        for r, rec in zip(self.ranks, records, strict=True):
-            if r.runner_oom is not None:
-                rec.exc_type, rec.exc_message, rec.kind_hint = _RUNNER_OOM, r.runner_oom, "oom"
         if self.cgroup is None or self.oom_before is None:
             return
         killed = [
@@ -556,9 +634,9 @@ class _Launch:
             try:
                 with open(self.run_dir / f"rank{r.rank}.result", "rb") as f:
                     out.append(pickle.load(f))
-            except (OSError, EOFError, pickle.UnpicklingError) as exc:
+            except Exception as exc:  # unpickling runs the result's own code: anything can fail
                 rec.status, rec.exc_type = "failed", type(exc).__name__
-                rec.exc_message = f"rank {r.rank} finished but its result could not be read: {exc}"
+                rec.exc_message = f"rank {r.rank} finished but its result could not be read here: {exc}"
                 failure = self.diagnose(records, hung=False)
                 assert failure is not None
                 return failure
@@ -568,7 +646,9 @@ class _Launch:
         """Close the logs, kill whatever is left of the ranks' trees; how many helpers leaked."""
         for r in self.ranks:
             r.log.close()
-        leaked = proctree.kill_tree([r.proc.pid for r in self.ranks], list(self.helpers.values()))
+        # Whatever still carries this launch's marker: daemons that double-forked out of the tree.
+        marked = proctree.marked(runner_limit.LAUNCH_SPEC_ENV, str(self.spec_path))
+        leaked = proctree.kill_tree([r.proc.pid for r in self.ranks], [*self.helpers.values(), *marked])
         for r in self.ranks:
             with contextlib.suppress(Exception):
                 r.proc.wait(timeout=5)
@@ -618,7 +698,7 @@ def run_ranks(
     world_size: int,
     *,
     backend: str = "auto",
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | None = None,
     args: Sequence[Any] = (),
     env: dict[str, str] | None = None,
     budget: MemoryBudget | None = None,
@@ -627,15 +707,17 @@ def run_ranks(
 
     The default process group is initialised before ``fn`` and destroyed after it. ``backend``
     is ``auto`` (NCCL with at least ``world_size`` GPUs, else gloo), ``gloo`` or ``nccl``.
-    ``timeout`` (seconds, from spawn) bounds the whole launch; past it every rank's Python stack
-    is dumped and the launch fails as a hang. ``env`` adds environment variables for the ranks.
+    ``timeout`` (seconds from spawn, finite and above 0; default ``KIT_RANK_TIMEOUT`` or 300)
+    bounds the whole launch; past it every rank's Python stack is dumped and the launch fails as
+    a hang. ``env`` adds environment variables for the ranks.
     ``budget`` overrides the test's ``memory_budget`` marker. Raises `RankFailure` when any rank
     fails, `TypeError` when ``fn`` cannot be imported by name in a fresh process, and
     `BudgetBelowFootprint` when the host budget is smaller than an idle rank.
     """
     __tracebackhide__ = True  # pytest shows the kit's message and the rank's traceback, not this source
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # Checked before anything is made or spawned: a bad argument is the caller's, no rank's.
+    check_world_size(world_size)
+    timeout = default_timeout() if timeout is None else check_timeout(timeout)
     if in_torchrun():
         from megatron_testkit.torchrun import run_in_torchrun
 

@@ -36,6 +36,7 @@ class TestRow:
     worker: str | None = None
     skip_capability: str | None = None
     runs: list[Run] = field(default_factory=list)
+    finished: bool = False  # its teardown report arrived
 
     def entry(self) -> TestEntry:
         """The row in the report's schema (runs folded into per-test and per-rank maxima)."""
@@ -43,6 +44,8 @@ class TestRow:
         for run in self.runs:
             for r in run.ranks:
                 row = ranks.setdefault(r.rank, RankPeak(r.rank))
+                if r.peak_host_bytes is not None and r.peak_host_bytes >= (row.peak_host_bytes or 0):
+                    row.peak_process = r.peak_process  # who held the peak that is kept
                 row.peak_host_bytes = _max(row.peak_host_bytes, r.peak_host_bytes)
                 row.peak_device_bytes = _max(row.peak_device_bytes, r.peak_device_bytes)
                 row.exit_code, row.signal = r.exit_code, r.signal
@@ -117,6 +120,19 @@ class ReportCollector:
             failure = kit.get("failure")
             row.failure = Failure.from_json(failure) if failure else _failure_from_longrepr(report)
         row.outcome = _combine(row.outcome, outcome)
+        row.finished = row.finished or getattr(report, "when", None) == "teardown"
+
+    def interrupt(self, why: str) -> None:
+        """The session was interrupted (Ctrl-C, SIGTERM): a test it stopped is ``interrupted``.
+
+        A test whose teardown never arrived was cut short; unless it had already failed, its
+        passing setup (or call) says nothing of it, and reading it as ``passed`` would tell
+        ``ci repro`` there is nothing to rerun.
+        """
+        for row in self.rows.values():
+            if not row.finished and row.outcome not in ("failed", "error"):
+                row.outcome = "interrupted"
+                row.failure = Failure(rank=None, kind=None, first_line=why, message=why)
 
     def rows_json(self) -> list[dict[str, Any]]:
         """Every row in the report's schema."""
@@ -134,7 +150,7 @@ def _phase_outcome(report: Any) -> str:
 
 
 def _combine(current: str, new: str) -> str:
-    rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
+    rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3, "interrupted": 4}
     if current == "failed" and new == "error":
         return "failed"  # a test that failed and then errored in teardown reads as failed
     return new if rank[new] > rank[current] else current
@@ -155,7 +171,8 @@ def build_report(session: dict[str, Any], rows: list[dict[str, Any]]) -> dict[st
     The rows go through the schema (`Report.from_json`), so a row that does not fit it fails here,
     where it is written, not in the CI job that reads it.
     """
-    counts = dict.fromkeys(OUTCOMES, 0)
+    # The four outcomes every report has counted always; `interrupted` only in a session it ended.
+    counts = dict.fromkeys(OUTCOMES[:4], 0)
     for row in rows:
         counts[row["outcome"]] = counts.get(row["outcome"], 0) + 1
     report = Report.from_json(
@@ -215,13 +232,14 @@ def skip_counts(report: dict[str, Any]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
-def _footer(report: dict[str, Any]) -> list[str]:
+def _footer(report: dict[str, Any], written: bool = True) -> list[str]:
     counts = report["session"]["outcome_counts"]
     shown = len(table_rows(report))
     rest = len(report["tests"]) - shown
+    where = "listed in kit-report.json" if written else "--kit-report DIR lists them"
     lines = [
         ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no tests",
-        f"{rest} tests ran no ranks (listed in kit-report.json)" if rest else "",
+        f"{rest} tests ran no ranks ({where})" if rest else "",
         rss_growth_line(report),
     ]
     skipped = skip_counts(report)
@@ -233,8 +251,8 @@ def _footer(report: dict[str, Any]) -> list[str]:
     return [line for line in lines if line]
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """Plain-text table for the terminal summary."""
+def format_table(report: dict[str, Any], written: bool = True) -> str:
+    """Plain-text table for the terminal summary; ``written``: a ``kit-report.json`` exists."""
     rows = table_rows(report)
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(_COLUMNS)]
     widths[0] = min(widths[0], 80)
@@ -245,7 +263,7 @@ def format_table(report: dict[str, Any]) -> str:
 
     out = [line(_COLUMNS), line(tuple("-" * w for w in widths))]
     out += [line(r) for r in rows]
-    return "\n".join([*out, "", *_footer(report)])
+    return "\n".join([*out, "", *_footer(report, written)])
 
 
 def _clip(text: str, width: int) -> str:

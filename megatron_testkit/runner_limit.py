@@ -186,3 +186,43 @@ def memory_cgroup_of(pid: int | str = "self") -> Path | None:
         if (group / counter).is_file():
             return group
     return None
+
+
+# --- the verdict of a kill for memory ---------------------------------------------------------------
+# Whichever part of the kit kills a rank for the runner's memory (the launcher's KIT_HOST_MEMORY
+# check, or `python -m ci repro`'s watcher), it first leaves this note in the rank's launch
+# directory, so the launcher names the death `oom` whoever won the race to kill it.
+_KILL_NOTE = "rank{rank}.memory-kill"
+LAUNCH_SPEC_ENV = "KIT_RANK_SPEC"  # every rank's (and its descendants') marker: its launch's spec file
+
+
+def note_memory_kill(run_dir: str | os.PathLike[str], rank: int, reason: str) -> None:
+    """Say why rank `rank` is about to be killed (atomically: the launcher never reads half)."""
+    path = Path(run_dir) / _KILL_NOTE.format(rank=rank)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(reason)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def read_memory_kill(run_dir: str | os.PathLike[str], rank: int) -> str | None:
+    """The reason a kit part gave before killing rank `rank` for memory, if any did."""
+    try:
+        return (Path(run_dir) / _KILL_NOTE.format(rank=rank)).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def launch_dir_of(pid: int) -> Path | None:
+    """The launch directory of a rank the kit started (from its environment); None if not one."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{LAUNCH_SPEC_ENV}=".encode()
+    for item in environ:
+        if item.startswith(prefix):
+            return Path(item[len(prefix) :].decode(errors="replace")).parent
+    return None

@@ -14,8 +14,12 @@ import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
+# Additions that readers of version 1 parse unchanged (absent reads as None) keep the version: the
+# ``interrupted`` outcome, the session's ``exit_status``, a rank's ``peak_process``.
 REPORT_VERSION = 1
-OUTCOMES = ("passed", "failed", "skipped", "error")
+# ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
+# ``exit_status``.
+OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
 
 # Bounds on what a report read back may hold. A report comes from a CI artifact, which a fork's
 # pull request controls, so every size and count in it is bounded before anything is built from it.
@@ -73,13 +77,19 @@ class RankPeak:
     peak_device_bytes: int | None = None
     exit_code: int | None = None
     signal: str | None = None
+    # The rank's host peak counts its descendants (worker processes, pools); when one of them held
+    # memory at that peak, the largest: "pid 12: python -c ... held 800MiB".
+    peak_process: str | None = None
 
     @classmethod
     def from_json(cls, data: Any, where: str = "rank") -> RankPeak:
         """Parse a ``ranks[]`` entry (``rank`` required, the rest optional)."""
         if not isinstance(data, dict) or not _is_int(data.get("rank")):
             raise SchemaError(f"{where} has no integer 'rank'")
-        return cls(**{f.name: data.get(f.name) for f in fields(cls)})
+        values = {f.name: data.get(f.name) for f in fields(cls)}
+        if not isinstance(values["peak_process"], str):
+            values["peak_process"] = None
+        return cls(**values)
 
 
 @dataclass
@@ -202,6 +212,7 @@ class Session:
     pytest_rss_start_bytes: int | None
     pytest_rss_end_bytes: int | None
     allowed_skips: list[str] | None = None  # KIT_ALLOWED_SKIPS (None: unset, skips unchecked)
+    exit_status: int | None = None  # pytest's exit status (2: interrupted); None in older reports
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -217,6 +228,7 @@ class Session:
             if not isinstance(values[name], str):
                 values[name] = None
         values["gpus"] = values["gpus"] if _is_int(values["gpus"]) else 0
+        values["exit_status"] = values["exit_status"] if _is_int(values["exit_status"]) else None
         values["pytest_args"] = [str(a) for a in values["pytest_args"] or []]
         for name in ("started", "markexpr", "host", "platform", "python"):
             values[name] = str(values[name] or "")

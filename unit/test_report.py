@@ -206,3 +206,49 @@ def test_a_report_outside_the_schema_is_refused_saying_where(broken: dict, says:
     with pytest.raises(SchemaError) as excinfo:
         Report.from_json(broken)
     assert str(excinfo.value) == says
+
+
+def test_without_a_report_file_the_summary_does_not_point_at_one() -> None:
+    report = report_of(
+        collect(phase("t.py::ranks", "call", runs=[run(2, [1, 2])]), phase("t.py::plain", "call"))
+    )
+    assert "1 tests ran no ranks (listed in kit-report.json)" in format_table(report, written=True)
+    table = format_table(report, written=False)
+    assert "1 tests ran no ranks (--kit-report DIR lists them)" in table
+    assert "kit-report.json" not in table
+
+
+def test_an_interrupted_session_marks_the_tests_it_cut_short_not_the_finished_or_failed() -> None:
+    collector = ReportCollector()
+    for report in (
+        phase("t.py::done", "setup"),
+        phase("t.py::done", "call"),
+        phase("t.py::done", "teardown"),
+        phase("t.py::cut", "setup"),  # its call was running when the session was stopped
+        phase("t.py::failed", "setup"),
+        phase("t.py::failed", "call", "failed"),  # failed, then stopped in its teardown
+    ):
+        collector.add(report)
+    collector.interrupt("interrupted (KeyboardInterrupt: signal 15 (SIGTERM))")
+    report = report_of(collector.rows_json())
+    outcomes = {row["nodeid"]: row["outcome"] for row in report["tests"]}
+    assert outcomes == {"t.py::done": "passed", "t.py::cut": "interrupted", "t.py::failed": "failed"}
+    assert report["session"]["outcome_counts"] == {
+        "passed": 1,
+        "failed": 1,
+        "skipped": 0,
+        "error": 0,
+        "interrupted": 1,
+    }
+    cut = next(row for row in report["tests"] if row["nodeid"] == "t.py::cut")
+    assert cut["failure"]["first_line"] == "interrupted (KeyboardInterrupt: signal 15 (SIGTERM))"
+    assert "interrupted" in format_table(report)
+
+
+def test_a_ranks_peak_keeps_the_process_that_held_it() -> None:
+    first, second = run(1, [500]), run(1, [900])
+    first["ranks"][0]["peak_process"] = "pid 1: small worker held 100 B"
+    second["ranks"][0]["peak_process"] = "pid 2: big worker held 600 B"
+    rows = collect(phase("t.py::a", "call", runs=[first, second]))
+    (rank,) = report_of(rows)["tests"][0]["ranks"]
+    assert (rank["peak_host_bytes"], rank["peak_process"]) == (900, "pid 2: big worker held 600 B")

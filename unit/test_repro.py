@@ -912,3 +912,18 @@ def test_the_child_helper_passes_a_signal_on_when_the_child_shares_the_terminals
         assert log.read_text().splitlines()[1:] == ["got 15", "done"]
     finally:
         parent.kill()
+
+
+def test_an_interrupted_test_is_rerun_and_said_so() -> None:
+    # A CI cancel records the running test as `interrupted`: it never passed, so repro reruns it.
+    from ci.verdicts import failed_tests, verdict
+
+    report = {
+        "tests": [
+            {"nodeid": "unit/test_a.py::test_done", "outcome": "passed"},
+            {"nodeid": "unit/test_a.py::test_cut_short", "outcome": "interrupted"},
+        ]
+    }
+    rerun = failed_tests(report)
+    assert [t["nodeid"] for t in rerun] == ["unit/test_a.py::test_cut_short"]
+    assert verdict(rerun[0]).cause == "interrupted"

@@ -1,0 +1,289 @@
+"""The launcher in real CI life, in this process: arguments, results, daemons, worker memory.
+
+Each test makes the real thing happen (a double-forked daemon, a rank that closes its own stderr,
+a worker process holding memory) through `run_ranks` and asserts what the launch reports. The
+session-level cases (signals, shared report folders, bad environment) are in
+`functional/test_launcher_session_life.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from fixtures.inner_session import inner_env, run_inner_session
+from megatron_testkit import attribution
+from megatron_testkit.budgets import parse_size
+from megatron_testkit.ranks import RankFailure, run_ranks
+
+pytestmark = pytest.mark.L0
+
+
+def returns_rank(rank: int, world_size: int) -> int:
+    return rank
+
+
+@pytest.fixture
+def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty folder where this test's launches make their directories (and nothing else)."""
+    root = tmp_path / "launches"
+    root.mkdir()
+    monkeypatch.setattr(attribution, "_scratch_root", str(root))
+    context = attribution.current()
+    assert context is not None
+    monkeypatch.setattr(context, "log_root", None)  # not the outer session's --kit-report folder
+    return root
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0, -5.0, "30"])
+def test_a_timeout_that_is_not_finite_and_positive_is_refused_before_anything_is_made(
+    timeout: Any, scratch: Path
+) -> None:
+    # NaN disabled hang detection, inf overflowed in every rank, 0 and below read as an instant
+    # hang, a string failed deep inside: each is the caller's mistake, said before any spawn.
+    with pytest.raises((ValueError, TypeError), match="timeout must be"):
+        run_ranks(returns_rank, 1, timeout=timeout)
+    assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("world_size", [2.0, "2", True])
+def test_a_world_size_that_is_not_an_int_is_refused_before_anything_is_made(
+    world_size: Any, scratch: Path
+) -> None:
+    with pytest.raises(TypeError, match="world_size must be a positive int"):
+        run_ranks(returns_rank, world_size, timeout=60)
+    assert list(scratch.iterdir()) == []
+
+
+def raise_after_closing_output(rank: int, world_size: int) -> None:
+    os.close(1)
+    os.close(2)
+    raise ValueError("raised after stdout and stderr were closed")
+
+
+def test_an_exception_raised_after_closing_stderr_is_recorded_not_a_crash() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(raise_after_closing_output, 1, timeout=120)
+    assert (info.value.rank, info.value.kind) == (0, "error")
+    assert (
+        str(info.value).splitlines()[0]
+        == "rank 0 error: ValueError: raised after stdout and stderr were closed"
+    )
+
+
+def _refuse_outside_a_rank() -> str:
+    if "KIT_RANK_SPEC" not in os.environ:
+        raise RuntimeError("this result only unpickles inside a rank")
+    return "unpickled"
+
+
+class OnlyInARank:
+    """A result whose unpickling fails in the parent (as a class the parent cannot import would)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_refuse_outside_a_rank, ())
+
+
+def returns_unreadable(rank: int, world_size: int) -> Any:
+    return OnlyInARank() if rank == 1 else rank
+
+
+def test_a_result_that_fails_to_unpickle_names_its_rank_and_the_launch_is_recorded() -> None:
+    context = attribution.current()
+    assert context is not None
+    before = len(context.runs)
+    with pytest.raises(RankFailure) as info:
+        run_ranks(returns_unreadable, 2, timeout=120)
+    assert info.value.rank == 1
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("rank 1 error: RuntimeError: rank 1 finished but its result could not be read"), (
+        first
+    )
+    assert "this result only unpickles inside a rank" in first
+    assert len(context.runs) == before + 1
+    assert context.runs[-1].failure is not None and context.runs[-1].failure.rank == 1
+
+
+# Scenarios that leave processes behind on purpose (a daemon, a worker orphaned by its rank's
+# budget stop): they run in an inner session, so the leaks they count are in its report, not in
+# this session's (whose tests must end with leaked_processes 0).
+LEAVING = textwrap.dedent(
+    '''
+    import os, subprocess, sys, time
+    from pathlib import Path
+
+    from megatron_testkit.budgets import MemoryBudget
+    from megatron_testkit.ranks import run_ranks
+
+    # A daemon as a rank's library might start one: fork, new session, fork again, the middle
+    # exits, so the daemon is re-parented away from the rank and out of its process group.
+    DAEMON = """if True:
+        import os, sys, time
+        path = sys.argv[1]
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                with open(path + ".tmp", "w") as f:
+                    f.write(str(os.getpid()))
+                os.replace(path + ".tmp", path)
+                time.sleep(300)
+            os._exit(0)
+        os.wait()
+    """
+
+
+    def start_daemon(rank, world_size, path):
+        subprocess.run(
+            [sys.executable, "-c", DAEMON, path],
+            check=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        return int(Path(path).read_text())
+
+
+    # A worker process (a DataLoader worker, a pool) that holds memory for its rank.
+    HOLDER = "import sys, time; b = b'x' * (int(sys.argv[1]) * 2**20); print('ready', flush=True); time.sleep(60)"
+
+
+    def worker_holds(rank, world_size, mib, holder_rank):
+        if rank != holder_rank:
+            return 0
+        child = subprocess.Popen([sys.executable, "-c", HOLDER, str(mib)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(1.0)  # 50 samples of the rank's watchdog (every 20 ms), 20 of the launcher's
+            return child.pid
+        finally:
+            child.kill()
+            child.wait()
+
+
+    def test_daemon():
+        run_ranks(start_daemon, 1, timeout=120, args=(os.path.abspath("daemon.pid"),))
+
+
+    def test_worker_memory_against_the_budget():
+        # 800 MiB held by the worker alone is over the 600 MiB budget, whatever the rank itself
+        # holds (an idle rank with torch is ~300 MiB, under the budget on its own).
+        run_ranks(worker_holds, 1, timeout=120, args=(800, 0), budget=MemoryBudget.parse(host="600MiB"))
+
+
+    def test_worker_memory_against_the_runner(monkeypatch):
+        # Two idle ranks hold ~600 MiB together, under the 1200 MiB runner limit; rank 1's worker
+        # adds 1000 MiB, which the runner's kernel charges to the job as the ranks' own.
+        monkeypatch.setenv("KIT_HOST_MEMORY", "1200MiB")
+        monkeypatch.delenv("KIT_RANK_CGROUP", raising=False)
+        run_ranks(worker_holds, 2, timeout=120, args=(1000, 1))
+    '''
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="module")
+def leaving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The LEAVING scenarios, run once in an inner session; the daemon's pid with the results."""
+    root = tmp_path_factory.mktemp("leaving")
+    result = run_inner_session(root, "test_leaving.py", LEAVING)
+    daemon_pid = root / "daemon.pid"  # written by the daemon (the inner session runs in root)
+    daemon = int(daemon_pid.read_text()) if daemon_pid.exists() else None
+    yield {**result, "daemon": daemon}
+    if daemon is not None and _alive(daemon):
+        psutil.Process(daemon).kill()  # only where the launcher failed to (its test says so)
+
+
+def test_a_double_forked_daemon_is_killed_and_counted_as_leaked(leaving: dict[str, Any]) -> None:
+    row = leaving["rows"]["test_daemon"]
+    assert row["outcome"] == "passed", leaving["output"][-3000:]
+    assert leaving["daemon"] is not None
+    assert not _alive(leaving["daemon"]), "the daemon outlived its launch"
+    assert row["leaked_processes"] >= 1
+
+
+def test_a_worker_process_holding_memory_counts_against_its_rank_budget(leaving: dict[str, Any]) -> None:
+    row = leaving["rows"]["test_worker_memory_against_the_budget"]
+    assert row["outcome"] == "failed", leaving["output"][-3000:]
+    failure = row["failure"]
+    assert (failure["rank"], failure["kind"]) == (0, "oom")
+    assert "host memory budget exceeded" in failure["first_line"] and "descendant" in failure["first_line"]
+    (peak,) = row["ranks"]
+    # Stopped as the sum crossed the budget, while the worker was still filling its 800 MiB.
+    assert peak["peak_host_bytes"] > parse_size("600MiB")
+    assert "import sys, time" in (peak["peak_process"] or ""), peak
+
+
+def test_the_whole_run_limit_counts_a_ranks_worker_processes(leaving: dict[str, Any]) -> None:
+    row = leaving["rows"]["test_worker_memory_against_the_runner"]
+    assert row["outcome"] == "failed", leaving["output"][-3000:]
+    failure = row["failure"]
+    assert (failure["rank"], failure["kind"]) == (1, "oom")
+    assert "KIT_HOST_MEMORY" in failure["first_line"] and "descendant" in failure["first_line"]
+
+
+RACER = textwrap.dedent(
+    """
+    import os, sys, time
+
+    def note_and_wait(rank, world_size, path):
+        open(path, "w").close()
+        time.sleep(120)
+    """
+)
+# The launcher dies right after spawning, before its rank could ask the kernel to die with it:
+# `_Launch.start` returns once the rank process exists, and the rank then needs hundreds of
+# milliseconds of imports before it registers. Making pytest die in that window by chance is
+# not repeatable; exiting there on purpose is.
+LAUNCHER = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, sys.argv[1])
+    from racer import note_and_wait
+    from megatron_testkit.ranks import _Launch
+
+    launch = _Launch(note_and_wait, 1, backend="gloo", timeout=120, args=(sys.argv[2],), env=None, budget=None)
+    launch.start()
+    print(launch.ranks[0].proc.pid, flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_a_rank_whose_launcher_died_before_it_registered_runs_nothing(tmp_path: Path) -> None:
+    (tmp_path / "racer.py").write_text(RACER)
+    ran = tmp_path / "ran"
+    out = subprocess.run(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path), str(ran)],
+        env=inner_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    rank = int(out.stdout.split()[0])
+    try:
+        deadline = time.monotonic() + 60
+        while _alive(rank) and not ran.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ran.exists(), "the orphaned rank ran the test's function"
+        assert not _alive(rank), "the orphaned rank is still running"
+    finally:
+        if _alive(rank):
+            psutil.Process(rank).kill()

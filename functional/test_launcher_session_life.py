@@ -1,0 +1,253 @@
+"""The kit in a whole pytest session's real life: signals, shared report folders, bad environment.
+
+Each test runs a small pytest session as a subprocess (its signals, ranks and report must not
+touch this session) and does to it what CI and people do: cancel it with SIGTERM or Ctrl-C, point
+``--kit-report`` at a folder that holds other things or that another session is writing, start it
+with a malformed ``KIT_*`` variable, or cap its ranks with ``python -m ci repro``'s watcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from fixtures.inner_session import inner_env
+
+# Ranks that start a helper (as dist_checkpointing's writers do), say so, and wait to be stopped.
+WAITING = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+
+    from megatron_testkit.ranks import run_ranks
+
+
+    def wait_with_a_helper(rank, world_size, ready):
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        with open(f"{ready}.{rank}.tmp", "w") as f:
+            f.write(str(helper.pid))
+        os.replace(f"{ready}.{rank}.tmp", f"{ready}.{rank}")
+        time.sleep(300)
+
+
+    def test_stopped_while_its_ranks_run():
+        run_ranks(wait_with_a_helper, 2, timeout=250, args=(os.environ["READY"],))
+
+
+    def test_never_started():
+        pass
+    """
+)
+
+
+def _start(
+    root: Path, source: str, *args: str, env: dict[str, str] | None = None, name: str = "test_inner.py"
+) -> subprocess.Popen:
+    (root / name).write_text(source)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, name],
+        cwd=root,
+        env=inner_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for(paths: list[Path], proc: subprocess.Popen, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"never appeared: {paths}"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _launched_under(root: Path) -> list[int]:
+    """Processes that carry the marker of a launch made under ``root`` (ranks, helpers, daemons)."""
+    found = []
+    for proc in psutil.process_iter(["environ"]):
+        try:
+            env = proc.info["environ"] or {}
+        except psutil.Error:
+            continue
+        if env.get("KIT_RANK_SPEC", "").startswith(str(root)) and _alive(proc.pid):
+            found.append(proc.pid)
+    return found
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_cancelled_session_records_the_test_as_interrupted_and_leaves_nothing(
+    signum: int, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready"
+    env = {**os.environ, "READY": str(ready)}
+    proc = _start(tmp_path, WAITING, "--kit-report=reports", "--junitxml=reports/junit.xml", env=env)
+    helpers: list[int] = []
+    try:
+        _wait_for([ready.with_name("ready.0"), ready.with_name("ready.1")], proc)
+        helpers = [int(ready.with_name(f"ready.{r}").read_text()) for r in (0, 1)]
+        proc.send_signal(signum)  # how a CI runner cancels a job (SIGTERM), or a person (Ctrl-C)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, output[-3000:]  # pytest's "interrupted"
+    report = json.loads((tmp_path / "reports" / "kit-report.json").read_text())
+    rows = {row["nodeid"].split("::")[-1]: row for row in report["tests"]}
+    assert rows["test_stopped_while_its_ranks_run"]["outcome"] == "interrupted", output[-3000:]
+    assert "test_never_started" not in rows
+    assert report["session"]["exit_status"] == 2
+    assert report["session"]["outcome_counts"]["interrupted"] == 1
+    assert ET.parse(tmp_path / "reports" / "junit.xml").getroot() is not None
+    time.sleep(1.0)  # the kernel reaps what the launcher killed
+    assert [pid for pid in helpers if _alive(pid)] == []
+    assert _launched_under(tmp_path) == []
+
+
+@pytest.mark.L0
+def test_a_malformed_kit_variable_is_a_usage_error_naming_it(tmp_path: Path) -> None:
+    cases = {
+        "KIT_RANK_TIMEOUT": "nan",  # would disable hang detection
+        "KIT_HOST_MEMORY": "lots",  # was blamed on the first launch's test
+        "KIT_SEED": "seven",  # was blamed on the first launch's test
+    }
+    for name, value in cases.items():
+        proc = _start(tmp_path, "def test_nothing():\n    pass\n", env={**os.environ, name: value})
+        output = proc.communicate(timeout=120)[0]
+        assert proc.returncode == pytest.ExitCode.USAGE_ERROR, (name, output[-2000:])
+        errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
+        assert len(errors) == 1 and name in errors[0] and repr(value) in errors[0], (name, output[-2000:])
+        assert "Traceback" not in output
+
+
+TWO_RANKS = textwrap.dedent(
+    """
+    import os, time
+
+    import torch.distributed as dist
+    from megatron_testkit.ranks import run_ranks
+
+
+    def wait_for_go(rank, world_size, ready, go):
+        open(f"{ready}.{rank}", "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.05)
+        dist.barrier()
+        return rank
+
+
+    def test_ranks():
+        assert run_ranks(wait_for_go, 2, timeout=250, args=(os.environ["READY"], os.environ["GO"])) == [0, 1]
+    """
+)
+
+
+@pytest.mark.L0
+def test_a_users_logs_folder_in_the_report_dir_is_left_alone(tmp_path: Path) -> None:
+    mine = tmp_path / "logs" / "training.log"
+    mine.parent.mkdir()
+    mine.write_text("a user's own log\n")
+    (tmp_path / "go").touch()
+    env = {**os.environ, "READY": str(tmp_path / "ready"), "GO": str(tmp_path / "go")}
+    proc = _start(tmp_path, TWO_RANKS, "--kit-report=.", env=env)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert mine.read_text() == "a user's own log\n"
+    log_dir = Path(json.loads((tmp_path / "kit-report.json").read_text())["tests"][0]["log_dir"])
+    assert log_dir.is_relative_to(tmp_path / "logs") and (log_dir / "rank0.log").exists()
+
+
+@pytest.mark.L1
+def test_two_sessions_sharing_a_report_dir_keep_each_others_launches(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    reports = tmp_path / "reports"
+    env = {**os.environ, "READY": str(first / "ready"), "GO": str(first / "go")}
+    proc = _start(first, TWO_RANKS, f"--kit-report={reports}", env=env)
+    try:
+        _wait_for([first / "ready.0", first / "ready.1"], proc)
+        # A second session (another test file, as another CI step would run) starts on the same
+        # report folder while the first one's ranks run.
+        (second / "go").touch()
+        env2 = {**os.environ, "READY": str(second / "ready"), "GO": str(second / "go")}
+        other = _start(second, TWO_RANKS, f"--kit-report={reports}", env=env2, name="test_other.py")
+        other_output = other.communicate(timeout=300)[0]
+        assert other.returncode == 0, other_output[-3000:]
+        (first / "go").touch()
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    report = json.loads((reports / "kit-report.json").read_text())  # the last session's
+    assert [row["nodeid"] for row in report["tests"]] == ["test_inner.py::test_ranks"]
+    first_logs = Path(report["tests"][0]["log_dir"])
+    assert (first_logs / "rank0.log").exists() and (first_logs / "rank1.log").exists()
+
+
+GROWING = textwrap.dedent(
+    """
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from megatron_testkit.ranks import run_ranks
+
+
+    def grow(rank, world_size):
+        if rank == 1:
+            chunks = []
+            for _ in range(60):  # up to 3.75 GiB, 64 MiB of touched pages at a time
+                chunks.append(torch.ones(16 * 2**20))
+                time.sleep(0.02)
+        dist.barrier()
+
+
+    def test_grows():
+        run_ranks(grow, 2, timeout=250)
+    """
+)
+
+
+@pytest.mark.L1
+def test_a_rank_killed_by_the_repro_watcher_is_oom_in_the_report(tmp_path: Path) -> None:
+    # `python -m ci repro --host-memory 1200MiB --limit-method env`, without its KIT_HOST_MEMORY
+    # (so only the watcher enforces it): two idle ranks hold ~600 MiB, rank 1 then grows past it.
+    from ci.limits import apply_memory_limit
+
+    env = {k: v for k, v in os.environ.items() if k not in ("KIT_HOST_MEMORY", "KIT_RANK_CGROUP")}
+    limit = apply_memory_limit(1200 * 2**20, "env")
+    proc = _start(tmp_path, GROWING, "--kit-report=reports", env=env)
+    watcher = limit.watch(proc.pid)
+    try:
+        output = proc.communicate(timeout=300)[0]
+    finally:
+        kills = watcher.stop()
+        if proc.poll() is None:
+            proc.kill()
+    assert [(k.rank, k.nodeid) for k in kills] == [(1, "test_inner.py::test_grows")], output[-3000:]
+    failure: dict[str, Any] = json.loads((tmp_path / "reports" / "kit-report.json").read_text())["tests"][0][
+        "failure"
+    ]
+    assert (failure["rank"], failure["kind"]) == (1, "oom"), failure["first_line"]
+    assert "killed by python -m ci repro" in failure["first_line"]
+    assert "rank 1 oom: " in output
