@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_testkit import devices, procfs
+from megatron_testkit.budgets import MemoryBudgetExceeded
 from megatron_testkit.procfs import current_rss_bytes
 
 # Exit code of a rank stopped by its host memory budget (its record says so).
@@ -177,7 +178,7 @@ class _Rank:
         faulthandler.dump_traceback(file=self.stacks, all_threads=True)
         with contextlib.suppress(OSError, ValueError):
             self.stacks.flush()
-        message = f"host memory budget exceeded: RSS {_fmt(rss)} > budget {_fmt(budget)} (stopped by the kit's RSS watchdog)"
+        message = f"host memory budget exceeded: RSS {_fmt(rss, budget)} > budget {_fmt(budget, rss)} (stopped by the kit's RSS watchdog)"
         if parts:
             message += f"; {_held_by(rss, parts)}"
         if not self.in_function:
@@ -243,10 +244,11 @@ def _main_thread_stack() -> str:
     return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
 
-def _fmt(size: int) -> str:
+def _fmt(size: int, other: int | None = None) -> str:
+    """``size`` for a message; exact bytes too where it would read the same as ``other`` beside it."""
     from megatron_testkit.budgets import format_size
 
-    return format_size(size)
+    return format_size(size, other)
 
 
 def _echo(text: str) -> None:
@@ -370,16 +372,18 @@ def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[A
 
 
 def _check_peaks(state: _Rank) -> None:
-    """MemoryError when the exact peaks (VmHWM, with the descendants' sampled sum) broke a budget."""
+    """MemoryBudgetExceeded (a MemoryError) when the exact peaks (VmHWM, with the descendants' sampled sum) broke a budget."""
     state.memory.sample()  # the descendants still alive count once more, budget or not
     peak_host, peak_device = max(peak_rss_bytes(), state.memory.peak), peak_device_bytes()
     if state.budget_host and peak_host > state.budget_host:
-        raise MemoryError(
-            f"host memory budget exceeded: peak RSS {_fmt(peak_host)} > budget {_fmt(state.budget_host)}"
+        raise MemoryBudgetExceeded(
+            f"host memory budget exceeded: peak RSS {_fmt(peak_host, state.budget_host)} > "
+            f"budget {_fmt(state.budget_host, peak_host)}"
         )
     if state.budget_device and peak_device is not None and peak_device > state.budget_device:
-        raise MemoryError(
-            f"device memory budget exceeded: peak allocated {_fmt(peak_device)} > budget {_fmt(state.budget_device)}"
+        raise MemoryBudgetExceeded(
+            f"device memory budget exceeded: peak allocated {_fmt(peak_device, state.budget_device)} > "
+            f"budget {_fmt(state.budget_device, peak_device)}"
         )
 
 
