@@ -56,6 +56,7 @@ __all__ = ["FlopsAccumulator"]
 
 _COUNTERS = ("total_flops", "hardware_total_flops", "total_tokens", "total_padded_tokens", "steps")
 _COUNT_ON = ("auto", "device")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _dist_ready() -> bool:
@@ -125,6 +126,7 @@ class FlopsAccumulator:
         self.device = torch.device(device) if device is not None else None
         self.validate = validate
         self.count_on = count_on
+        self._host_path = count_on == "auto"
         self.total_flops = 0
         self.hardware_total_flops = 0
         self.total_tokens = 0
@@ -185,7 +187,7 @@ class FlopsAccumulator:
             validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, pack_len=pack_len)
         two_d, rows = check_boundaries(cu_seqlens, cu_seqlens_padded)
         check_pack_len(pack_len, rows)
-        if self.count_on == "auto" and on_host(cu_seqlens, cu_seqlens_padded):
+        if self._host_path and on_host(cu_seqlens, cu_seqlens_padded):
             values = host_values(cu_seqlens, cu_seqlens_padded, two_d, window=self.window, pack_len=pack_len)
             self._sources.append(("host", len(self._host)))
             self._host.append(values)
@@ -239,7 +241,11 @@ class FlopsAccumulator:
         """(this rank's statistics, the staged microbatches' vectors `[k, fields]` or None), cached."""
         if self._local is not None:
             return self._local
-        host = [wrap_int64(sum(column)) for column in zip(*self._host, strict=True)] if self._host else None
+        host = None
+        if self._host:
+            host = list(map(sum, zip(*self._host, strict=True)))
+            if not all(_INT64_MIN <= v <= _INT64_MAX for v in host):
+                host = [wrap_int64(v) for v in host]
         device_parts, per_staged = [], None
         if len(self._staged):
             per_staged, staged_total = self._staged.totals(self.window)

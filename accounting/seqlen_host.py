@@ -29,6 +29,8 @@ LOOP_LIMIT = 96
 # The loop works on exact Python ints; below this spread of a row's values no int64 kernel could
 # have wrapped (lengths, their squares and m (m + 1) all stay under 2**63), so the results agree.
 _SPREAD = 2**31
+_TOP = 2**63
+_EXACT_FLOAT = 2**26  # a row total below it has Σs² < 2**53: exact in float64
 
 
 class _Wide(Exception):
@@ -62,7 +64,12 @@ def host_values(
             return _loop_values(rows, prows, window, pack_len)
         except _Wide:
             pass  # values too far apart for the exact-int loop: numpy wraps as the kernels do
-    return _numpy_values(_array(cu), None if padded is None else _array(padded), window, pack_len)
+    real = _array(cu)
+    if padded is None and window is None:
+        plain = _numpy_plain(real, pack_len)
+        if plain is not None:
+            return plain
+    return _numpy_values(real, None if padded is None else _array(padded), window, pack_len)
 
 
 # ---------------------------------------------------------------- the loop, for small packs
@@ -74,34 +81,72 @@ def _plain_values(rows: list[list[int]], pack_len: int | None) -> list[int] | No
     One pass per row: a row is a 0, then boundaries that never decrease, then an optional `-1`
     tail; anything else goes to the general loop, which counts what is wrong.
     """
-    n = tokens = squared = beyond = wide = bad = 0
-    total = 0.0
+    lasts = []
+    n = squared = 0
     for row in rows:
         if row[0]:
             return None
-        end = len(row)
-        while row[end - 1] == -1:
-            end -= 1
         prev = 0
-        for value in row if end == len(row) else row[:end]:
+        for value in row:
             length = value - prev
-            if length:
-                if length < 0:
-                    return None
+            if length > 0:
                 n += 1
                 squared += length * length
                 prev = value
+            elif length:  # a decrease: the start of a -1 tail, or out of order
+                if value != -1 or row.count(-1) != len(row) - row.index(-1):
+                    return None
+                break
         if prev >= _SPREAD:
             return None
-        tokens += prev
-        total += float(prev) * float(prev)
-        past, wraps = pack_len is not None and prev > pack_len, total >= INT64_LIMIT
+        lasts.append(prev)
+    return _plain_vector(lasts, n, squared, pack_len)
+
+
+def _plain_vector(lasts: list[int], n: int, squared: int, pack_len: int | None) -> list[int]:
+    """The vector of well-formed rows from their last boundaries and the length sums."""
+    tokens = sum(lasts)
+    beyond = wide = bad = 0
+    total = 0.0
+    for last in lasts:
+        total += float(last) * float(last)
+        past, wraps = pack_len is not None and last > pack_len, total >= INT64_LIMIT
         beyond, wide, bad = beyond + past, wide + wraps, bad + (past or wraps)
-    padded_tokens = len(rows) * pack_len if pack_len is not None else tokens
-    sums = [n, tokens, squared, padded_tokens, squared]
-    if len(rows) > 1:  # one row's sums stay far below 2**63; several rows' may wrap, as in int64
-        sums = [wrap_int64(v) for v in sums]
-    return [*sums, 0, 0, 0, 0, bad, 0, 0, beyond, 0, wide]
+    padded_tokens = len(lasts) * pack_len if pack_len is not None else tokens
+    if squared >= _TOP or tokens >= _TOP or padded_tokens >= _TOP:  # as int64 sums wrap
+        n, tokens, squared, padded_tokens = (wrap_int64(v) for v in (n, tokens, squared, padded_tokens))
+    return [n, tokens, squared, padded_tokens, squared, 0, 0, 0, 0, bad, 0, 0, beyond, 0, wide]
+
+
+def _numpy_plain(bounds: np.ndarray, pack_len: int | None) -> list[int] | None:
+    """`_plain_values` with numpy, a row at a time, a few passes per row; None: not well formed.
+
+    Every boundary of a well-formed row before its tail is >= 0, so no difference of two of them
+    wraps, even in int32; the squares are summed in float64 where that is exact (Σs² <= last² <
+    2**53 keeps every partial sum an exact integer), else in int64 (wrapping as the kernels do).
+    """
+    lasts = []
+    n = squared = 0
+    width = bounds.shape[-1]
+    for row in bounds:
+        end = width
+        while end and row[end - 1] == -1:
+            end -= 1
+            if width - end > 16:  # a long tail: the vectorised path checks it in one pass
+                return None
+        body = row[:end]
+        if not end or body[0] or body.min() < 0:
+            return None
+        lengths = np.subtract(body[1:], body[:-1])
+        if lengths.size and lengths.min() < 0:
+            return None
+        last = int(body[-1])
+        n += np.count_nonzero(lengths)
+        as_float = last < _EXACT_FLOAT
+        lengths = lengths.astype(np.float64 if as_float else np.int64)
+        squared += int(np.dot(lengths, lengths))
+        lasts.append(last)
+    return _plain_vector(lasts, int(n), squared, pack_len)
 
 
 def _row(row: list[int]) -> tuple[list[int], int, bool, bool]:
@@ -176,8 +221,10 @@ def _loop_values(
 
 
 def _array(cu: torch.Tensor) -> np.ndarray:
-    """int64 `[rows, width]` from the tensor's own memory (one conversion copy, as `.to(int64)`)."""
-    array = cu.numpy().astype(np.int64, copy=False)
+    """`[rows, width]` on the tensor's own memory, in its own dtype (no copy)."""
+    array = cu.numpy()
+    if array.dtype.kind == "u":  # unsigned differences would wrap where the kernels' int64 ones go negative
+        array = array.astype(np.int64)
     return array.reshape(1, -1) if array.ndim == 1 else array
 
 
@@ -204,7 +251,9 @@ def _plain_lengths(bounds: np.ndarray) -> np.ndarray | None:
 def _numpy_values(
     real: np.ndarray, padded: np.ndarray | None, window: Window | None, pack_len: int | None
 ) -> list[int]:
-    """The vector of int64 `[rows, width]` boundaries, the kernels' operations in numpy."""
+    """The vector of `[rows, width]` boundaries, the kernels' operations in numpy (in int64)."""
+    real = real.astype(np.int64, copy=False)
+    padded = padded.astype(np.int64, copy=False) if padded is not None else None
     bounds = real[None] if padded is None else np.stack([real, padded])
     lengths = _plain_lengths(bounds)
     if lengths is None:

@@ -283,9 +283,11 @@ def check_pack_len(pack_len: int | None, rows: int) -> None:
         raise ValueError(f"pack_len = {pack_len}: {rows} rows of it are past the exact int64 sums")
 
 
-def on_host(*tensors: torch.Tensor | None) -> bool:
-    """Whether every given tensor is a plain CPU tensor, whose buffer the host path may read."""
-    return all(t is None or (type(t) is torch.Tensor and t.is_cpu) for t in tensors)
+def on_host(cu: torch.Tensor, padded: torch.Tensor | None = None) -> bool:
+    """Whether the boundaries are plain CPU tensors, whose buffers the host path may read."""
+    if type(cu) is not torch.Tensor or not cu.is_cpu:
+        return False
+    return padded is None or (type(padded) is torch.Tensor and padded.is_cpu)
 
 
 def seqlen_stats(
