@@ -612,7 +612,7 @@ def bench_add_microbatch(
     import torch
 
     from accounting import FlopsAccumulator
-    from ci.bench_accounting import make_pack, syncing_stats
+    from ci.benchmarks.accounting_packs import make_pack, syncing_stats
 
     device = "cuda" if cuda else "cpu"
     busy_cycles = 2_000_000 if cuda else 0  # ~1 ms on a ~2 GHz SM clock
