@@ -5,7 +5,7 @@ torch call costs microseconds of dispatch whatever the pack holds. Here a CPU te
 are read once, from its own buffer, and the vector of `FIELDS` is computed without a kernel:
 small packs in a Python loop over `tolist()`, larger ones with numpy on the tensor's memory
 (`Tensor.numpy()` shares it). Which is faster depends on the size: `LOOP_LIMIT` is where they
-cross (measured with `ci/benchmarks/test_bench_accounting.py`). Both give exactly what
+cross (measured with `ci/benchmarks/test_bench_accumulate.py`). Both give exactly what
 `seqlen_kernels.row_columns` gives, int64 wrap-around and the float64 rounding of the int64
 check included; the unit tests compare the three over drawn packs, malformed ones too.
 """
@@ -105,6 +105,11 @@ def _plain_values(rows: list[list[int]], pack_len: int | None) -> list[int] | No
 
 def _plain_vector(lasts: list[int], n: int, squared: int, pack_len: int | None) -> list[int]:
     """The vector of well-formed rows from their last boundaries and the length sums."""
+    if len(lasts) == 1 and lasts[0] < _SPREAD:  # one row, far from any int64 limit
+        tokens = lasts[0]
+        past = int(pack_len is not None and tokens > pack_len)
+        padded_tokens = pack_len if pack_len is not None else tokens
+        return [n, tokens, squared, padded_tokens, squared, 0, 0, 0, 0, past, 0, 0, past, 0, 0]
     tokens = sum(lasts)
     beyond = wide = bad = 0
     total = 0.0
