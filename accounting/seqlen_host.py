@@ -143,10 +143,11 @@ def _numpy_plain(bounds: np.ndarray, pack_len: int | None) -> list[int] | None:
         if not end or body[0] or body.min() < 0:
             return None
         lengths = np.subtract(body[1:], body[:-1])
-        if lengths.size and lengths.min() < 0:
+        shortest = lengths.min() if lengths.size else 1
+        if shortest < 0:
             return None
         last = int(body[-1])
-        n += np.count_nonzero(lengths)
+        n += lengths.size if shortest > 0 else np.count_nonzero(lengths)  # no empty segment: all count
         as_float = last < _EXACT_FLOAT
         lengths = lengths.astype(np.float64 if as_float else np.int64)
         squared += int(np.dot(lengths, lengths))
