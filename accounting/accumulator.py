@@ -244,7 +244,7 @@ class FlopsAccumulator:
         host = None
         if self._host:
             host = list(map(sum, zip(*self._host, strict=True)))
-            if not all(_INT64_MIN <= v <= _INT64_MAX for v in host):
+            if min(host) < _INT64_MIN or max(host) > _INT64_MAX:  # as int64 sums wrap
                 host = [wrap_int64(v) for v in host]
         device_parts, per_staged = [], None
         if len(self._staged):

@@ -510,3 +510,15 @@ def test_device_held_stats_join_the_staged_microbatches_without_a_read():
     cpu.add_microbatch(stats=seqlen_stats(torch.tensor([0, 5])))  # held on the host: added as ints
     cpu.add_microbatch(cu_seqlens=torch.tensor([0, 2]))
     assert cpu.local_stats().to_dict()["squared"] == 16 + 16 + 25 + 4
+
+
+def test_host_and_device_paths_wrap_a_step_sum_past_int64_alike():
+    # Each pack fits (s² = (2**31 - 1)**2 < 2**63); four of them pass 2**64 - 2**34 and wrap, on
+    # the host as in the device's int64 sum: -2**34 + 4.
+    cu = torch.tensor([0, 2**31 - 1])
+    host, device = FlopsAccumulator(packed=True), FlopsAccumulator(packed=True, count_on="device")
+    for acc in (host, device):
+        for _ in range(4):
+            acc.add_microbatch(cu_seqlens=cu)
+    assert host.local_stats().to_dict() == device.local_stats().to_dict()
+    assert host.local_stats().to_dict()["squared"] == 4 * (2**31 - 1) ** 2 - 2**64 == -(2**34) + 4

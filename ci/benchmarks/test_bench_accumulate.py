@@ -32,7 +32,7 @@ from ci.benchmarks.accounting_packs import PACK_LEN, CountKernels, make_pack, sy
 pytestmark = [pytest.mark.L2]
 
 MICROBATCHES = 8
-ROUNDS = {8: 400, 512: 100, 8192: 20}
+ROUNDS = {8: 400, 512: 200, 8192: 50}
 
 
 @pytest.fixture(autouse=True)
