@@ -1,10 +1,28 @@
-"""Per-step FLOPs bookkeeping: sync-free microbatch statistics, one DP reduce, exact counters.
+"""Per-step FLOPs bookkeeping: microbatch statistics without syncs, one DP reduce, exact counters.
 
 Usage per training step, on every rank:
 
     acc = FlopsAccumulator(packed=True, dp_group=dp_group)   # once
     for each microbatch:  acc.add_microbatch(cu_seqlens=..., cu_seqlens_padded=..., seq_len=...)
     step_flops = acc.step(shape)                               # after the optimizer step
+
+Where the counting happens follows the boundaries: CPU tensors are counted on the host as they
+come (their own buffer, no torch kernel: `seqlen_host`); device tensors are only staged (an int64
+copy, at most two kernels per microbatch, no sync) and all of a step's microbatches are counted
+together at `resolve`/`step` with a fixed number of kernels (`microbatch_staging`).
+
+Counting in the data loader: the pack is made on the host, so its statistics can be made there
+too, in the collate function, and the training step does no device work for FLOPs at all:
+
+    def collate(samples):                                      # in the DataLoader (any worker)
+        batch = pack(samples)                                  # your packing: tokens, cu_seqlens
+        batch["flops_stats"] = seqlen_stats(batch["cu_seqlens"], pack_len=SEQ_LEN, window_size=W)
+        return batch
+    ...
+    acc.add_microbatch(stats=batch["flops_stats"])             # in the step: Python ints, no kernel
+
+Host statistics pickle as a few ints, so they cross worker processes cheaply; their window must be
+the accumulator's. docs/counting-in-the-data-loader.md walks through it.
 
 Whether a collective runs is decided by configuration (`packed`, the group), identically on every
 rank, never by the data a rank happened to see: a rank with an empty pack (or no microbatch at all)
@@ -20,26 +38,31 @@ from typing import Any
 import torch
 
 from accounting.flops import FlopsBreakdown, ModelShape, flops_from_sums
+from accounting.microbatch_staging import StagedMicrobatches
 from accounting.parallel_layout import (
     ParallelLayout,
     accumulator_from_parallel_state,
     accumulator_from_process_groups,
     check_dp_group,
 )
+from accounting.seqlen_fields import FIELDS, MALFORMED, MALFORMED_AT, wrap_int64
+from accounting.seqlen_host import host_values
 from accounting.seqlens import (
-    MALFORMED,
     SeqlenStats,
+    check_boundaries,
+    check_pack_len,
     describe_malformed,
     normalize_window,
-    seqlen_stats_vector,
+    on_host,
+    to_device,
     validate_cu_seqlens,
 )
 
 __all__ = ["FlopsAccumulator"]
 
 _COUNTERS = ("total_flops", "hardware_total_flops", "total_tokens", "total_padded_tokens", "steps")
-# Where the malformed-row counters sit in the statistics vector (`malformed_rows` first).
-_MALFORMED_AT = SeqlenStats.field_names().index("malformed_rows")
+_COUNT_ON = ("auto", "device")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _dist_ready() -> bool:
@@ -71,16 +94,18 @@ def _reduce_device(group: Any) -> torch.device:
 class FlopsAccumulator:
     """Accumulates one step's sequence statistics and the run's cumulative FLOPs (exact ints).
 
-    `packed=True` (THD): each microbatch brings `cu_seqlens` (1-D or 2-D, either padding tail);
-    statistics stay on device and `resolve` sums them over the pure data-parallel group with one
-    int64 SUM all-reduce. With context parallelism, pass the DP group without CP: every CP rank of
-    a DP rank sees the same full `cu_seqlens` and must be counted once.
+    `packed=True` (THD): each microbatch brings `cu_seqlens` (1-D or 2-D, either padding tail), or
+    statistics made where the pack was made (`stats=`); `resolve` sums them over the pure
+    data-parallel group with one int64 SUM all-reduce. With context parallelism, pass the DP group
+    without CP: every CP rank of a DP rank sees the same full `cu_seqlens` and must be counted once.
     `packed=False` (BSHD): each microbatch is `micro_batch_size` x `seq_len` real tokens, identical
     on every DP rank, so `resolve` multiplies by the DP size and runs no collective.
-    Malformed boundaries never give a silently wrong count: the sync-free statistics carry
-    malformed-row counters, and `step` (which reads the vector anyway) raises a ValueError naming
-    the microbatch and what is wrong. `validate=True` also runs the exact, syncing
-    `validate_cu_seqlens` on every microbatch (debug mode), which names the index at once.
+    Malformed boundaries never give a silently wrong count: the statistics carry malformed-row
+    counters, and `step` (which reads the vector anyway) raises a ValueError naming the microbatch
+    and what is wrong. `validate=True` also runs the exact, syncing `validate_cu_seqlens` on every
+    microbatch (debug mode), which names the index at once. `count_on="device"` stages every
+    microbatch for the kernel path, CPU tensors too (what a device runs; tests and benchmarks
+    compare it with the host path that `"auto"` takes for CPU tensors).
     `from_parallel_state` / `from_process_groups` give it a `layout` that refuses the wrong group,
     a CP rank's sliced length and a VPP chunk without `vp_stage` (`accounting.parallel_layout`).
     """
@@ -97,9 +122,12 @@ class FlopsAccumulator:
         recompute: str | None = None,
         device: torch.device | str | None = None,
         validate: bool = False,
+        count_on: str = "auto",
     ) -> None:
         if not isinstance(packed, bool):
             raise ValueError(f"packed = {packed!r} must be a bool, declared at construction")
+        if count_on not in _COUNT_ON:
+            raise ValueError(f"count_on = {count_on!r}: expected one of {_COUNT_ON}")
         self.packed = packed
         self.dp_group = dp_group
         self.dp_size = dp_size
@@ -107,6 +135,8 @@ class FlopsAccumulator:
         self.recompute = recompute
         self.device = torch.device(device) if device is not None else None
         self.validate = validate
+        self.count_on = count_on
+        self._host_path = count_on == "auto"
         self.total_flops = 0
         self.hardware_total_flops = 0
         self.total_tokens = 0
@@ -114,11 +144,15 @@ class FlopsAccumulator:
         self.steps = 0
         self.last_breakdown: FlopsBreakdown | None = None
         self.last_stats: SeqlenStats | None = None
+        self._staged = StagedMicrobatches()
         self._reset_microbatches()
 
     def _reset_microbatches(self) -> None:
-        self._packed_sum: torch.Tensor | None = None  # int64 vector on the microbatches' device
-        self._vectors: list[torch.Tensor] = []  # per microbatch, its statistics vector (kept, not copied)
+        self._host: list[list[int]] = []  # per host-counted microbatch, its statistics as ints
+        self._device_stats: list[torch.Tensor] = []  # per `stats=` microbatch held on a device, its vector
+        self._sources: list[tuple[str, int]] = []  # per counted microbatch: where its vector is, and which
+        self._staged.clear()
+        self._local: tuple[SeqlenStats, torch.Tensor | None] | None = None
         self._dense = SeqlenStats.zeros(window_size=self.window)
         self.num_microbatches = 0
 
@@ -131,21 +165,30 @@ class FlopsAccumulator:
         seq_len: int | None = None,
         micro_batch_size: int | None = None,
         vp_stage: int | None = None,
+        stats: SeqlenStats | None = None,
     ) -> None:
-        """Adds one microbatch (sync-free). Only `vp_stage in (None, 0)` counts (VPP dedup).
+        """Adds one microbatch (no sync). Only `vp_stage in (None, 0)` counts (VPP dedup).
 
-        Packed: `cu_seqlens` is required; the pack length of the linear layers is `seq_len` when
-        given (the configured, un-CP-sliced length), else `tokens.shape[-1]`. Dense: the batch is
-        `micro_batch_size` (else `tokens.shape[0]`) x `seq_len` (else `tokens.shape[1]`).
+        Packed: `cu_seqlens` is required, or `stats` (from `seqlen_stats`, made where the pack was
+        made: nothing is counted here then); the pack length of the linear layers is `seq_len`
+        when given (the configured, un-CP-sliced length), else `tokens.shape[-1]`. Dense: the
+        batch is `micro_batch_size` (else `tokens.shape[0]`) x `seq_len` (else `tokens.shape[1]`).
         """
         if self.layout is not None:
             seq_len = self.layout.length_to_count(tokens, seq_len, vp_stage)
         if vp_stage not in (None, 0):
             return
-        if self.packed:
-            self._add_packed(cu_seqlens, cu_seqlens_padded, tokens, seq_len)
-        else:
+        if not self.packed:
+            if stats is not None:
+                raise ValueError(
+                    "add_microbatch: stats= is for a packed FlopsAccumulator (dense counts shapes)"
+                )
             self._add_dense(tokens, seq_len, micro_batch_size)
+        elif stats is not None:
+            self._add_stats(stats, cu_seqlens, cu_seqlens_padded)
+        else:
+            self._add_packed(cu_seqlens, cu_seqlens_padded, tokens, seq_len)
+        self._local = None
         self.num_microbatches += 1
 
     def _add_packed(self, cu_seqlens, cu_seqlens_padded, tokens, seq_len) -> None:
@@ -154,9 +197,38 @@ class FlopsAccumulator:
         pack_len = seq_len if seq_len is not None else (tokens.shape[-1] if tokens is not None else None)
         if self.validate:
             validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, pack_len=pack_len)
-        vec = seqlen_stats_vector(cu_seqlens, cu_seqlens_padded, window=self.window, pack_len=pack_len)
-        self._vectors.append(vec)  # the same tensor: no kernel, no copy (the sum below is a new one)
-        self._packed_sum = vec if self._packed_sum is None else self._packed_sum + vec
+        two_d, rows = check_boundaries(cu_seqlens, cu_seqlens_padded)
+        check_pack_len(pack_len, rows)
+        if self._host_path and on_host(cu_seqlens, cu_seqlens_padded):
+            values = host_values(cu_seqlens, cu_seqlens_padded, two_d, window=self.window, pack_len=pack_len)
+            self._sources.append(("host", len(self._host)))
+            self._host.append(values)
+            return
+        width = cu_seqlens.shape[-1]
+        self._sources.append(("staged", len(self._staged)))
+        self._staged.add(cu_seqlens, cu_seqlens_padded, rows, width, pack_len)
+
+    def _add_stats(self, stats: SeqlenStats, cu_seqlens, cu_seqlens_padded) -> None:
+        if cu_seqlens is not None or cu_seqlens_padded is not None:
+            raise ValueError(
+                "add_microbatch: pass either stats= or cu_seqlens=, not both (it would count twice)"
+            )
+        if not isinstance(stats, SeqlenStats):
+            raise ValueError(
+                f"add_microbatch: stats must be a SeqlenStats (from seqlen_stats), got {type(stats).__name__}"
+            )
+        if stats.window != self.window:
+            raise ValueError(
+                f"add_microbatch: stats computed for window {stats.window} but this FlopsAccumulator counts "
+                f"window {self.window}: pass window_size={self.window} to seqlen_stats"
+            )
+        held = stats.held_ints()
+        if held is not None:
+            self._sources.append(("host", len(self._host)))
+            self._host.append(list(held))
+        else:
+            self._sources.append(("device", len(self._device_stats)))
+            self._device_stats.append(stats.to_vector())
 
     def _add_dense(self, tokens, seq_len, micro_batch_size) -> None:
         if micro_batch_size is None:
@@ -172,12 +244,39 @@ class FlopsAccumulator:
         )
 
     def local_stats(self) -> SeqlenStats:
-        """This rank's statistics of the current step so far (no collective)."""
+        """This rank's statistics of the current step so far (no collective; kernels only for staged ones)."""
         if not self.packed:
             return self._dense
-        if self._packed_sum is None:
-            return SeqlenStats.zeros(window_size=self.window, device=self.device)
-        return SeqlenStats.from_vector(self._packed_sum, window=self.window)
+        return self._local_totals()[0]
+
+    def _local_totals(self) -> tuple[SeqlenStats, torch.Tensor | None]:
+        """(this rank's statistics, the staged microbatches' vectors `[k, fields]` or None), cached."""
+        if self._local is not None:
+            return self._local
+        host = None
+        if self._host:
+            host = list(map(sum, zip(*self._host, strict=True)))
+            if min(host) < _INT64_MIN or max(host) > _INT64_MAX:  # as int64 sums wrap
+                host = [wrap_int64(v) for v in host]
+        device_parts, per_staged = [], None
+        if len(self._staged):
+            per_staged, staged_total = self._staged.totals(self.window)
+            device_parts.append(staged_total)
+        if self._device_stats:
+            device_parts.append(torch.stack(self._device_stats).sum(0))
+        if not device_parts:
+            values = host if host is not None else [0] * len(FIELDS)
+            if host is None and self.device is not None:
+                local = SeqlenStats.zeros(window_size=self.window, device=self.device)
+            else:
+                local = SeqlenStats._from_ints(values, self.window)
+        else:
+            total = device_parts[0] if len(device_parts) == 1 else device_parts[0] + device_parts[1]
+            if host is not None:
+                total = total + to_device(torch.tensor(host, dtype=torch.int64), total.device)
+            local = SeqlenStats.from_vector(total, window=self.window)
+        self._local = (local, per_staged)
+        return self._local
 
     def resolve(self, dp_group: Any = None, dp_size: int | None = None) -> SeqlenStats:
         """Global-batch statistics: packed = one SUM all-reduce over `dp_group`; dense = local x DP size.
@@ -214,7 +313,7 @@ class FlopsAccumulator:
         if _group_size(group) == 1:
             return local
         device = self.device if self.device is not None else _reduce_device(group)
-        vec = local.to_vector(device=device).contiguous()
+        vec = local.to_vector(device=device).contiguous()  # a new tensor: the local one stays as it was
         torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM, group=group)
         return SeqlenStats.from_vector(vec, window=self.window)
 
@@ -264,12 +363,21 @@ class FlopsAccumulator:
         self._reset_microbatches()
         return breakdown.total
 
+    def _per_microbatch(self) -> list[list[int]]:
+        """This rank's vector of each counted microbatch, in order (reads the device ones: one sync)."""
+        staged = self._local_totals()[1]
+        read = {
+            "host": self._host,
+            "staged": staged.tolist() if staged is not None else [],
+            "device": torch.stack(self._device_stats).tolist() if self._device_stats else [],
+        }
+        return [read[source][index] for source, index in self._sources]
+
     def _malformed_message(self, values: dict[str, int]) -> str:
         """Which of this rank's microbatches were malformed and how (reads their counters: one sync)."""
-        local = torch.stack(self._vectors).tolist() if self._vectors else []
         found = []
-        for index, vector in enumerate(local):
-            counts = vector[_MALFORMED_AT:]
+        for index, vector in enumerate(self._per_microbatch()):
+            counts = vector[MALFORMED_AT:]
             if counts[0]:
                 kinds = ", ".join(text for text, n in zip(MALFORMED.values(), counts[1:], strict=True) if n)
                 rows = f"{counts[0]} malformed row{'s' if counts[0] != 1 else ''}"

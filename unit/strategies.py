@@ -10,6 +10,8 @@ then builds tensors from it.
   properties compare renderings of one drawn pack.
 - `raw_boundaries()` draws boundary rows that may be malformed (a valid pack with entries
   overwritten by arbitrary small ints), with or without padded rows and a pack length.
+- `stats_inputs()` draws what `seqlen_stats` takes, as tensors: a valid pack or raw (often
+  malformed) rows, padded boundaries or not, a pack length or not, a window or not.
 - `model_shapes()` draws valid `ModelShape`s (MHA/GQA, gated or not, MoE with shared experts and
   int or list `moe_layer_freq`, MTP, windows with int or list `window_attn_skip_freq`, causal or not); `dense_megatron_shapes()` only those
   Megatron-LM's formula covers without a window.
@@ -40,6 +42,7 @@ __all__ = [
     "packs",
     "rank_memory_reports",
     "raw_boundaries",
+    "stats_inputs",
     "windows",
 ]
 
@@ -286,3 +289,30 @@ def memory_reports(keys: tuple[tuple[str, str], ...]) -> st.SearchStrategy[dict]
 def rank_memory_reports(n: int) -> st.SearchStrategy[list[dict]]:
     """`n` reports (one per rank) that share one key set."""
     return memory_report_keys().flatmap(lambda keys: st.lists(memory_reports(keys), min_size=n, max_size=n))
+
+
+@dataclass(frozen=True)
+class StatsInput:
+    """Everything `seqlen_stats` takes, as tensors: a drawn pack or malformed boundary rows."""
+
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor | None
+    pack_len: int | None
+    window: tuple[int, int] | None
+
+
+@st.composite
+def stats_inputs(draw, *, malformed: bool | None = None) -> StatsInput:
+    """Boundaries `seqlen_stats` may be given: a valid `Pack` in any form, dtype and rank, or
+    `raw_boundaries` rows (often malformed), with or without padded ones, a pack length, a window."""
+    from accounting.seqlens import normalize_window
+
+    window = normalize_window(draw(windows()))
+    if malformed if malformed is not None else draw(st.booleans()):
+        raw = draw(raw_boundaries())
+        dtype = draw(st.sampled_from(DTYPES))
+        padded = None if raw.padded is None else torch.tensor(raw.padded, dtype=dtype)
+        return StatsInput(torch.tensor(raw.rows, dtype=dtype), padded, raw.pack_len, window)
+    pack = draw(packs())
+    padded = pack.cu_seqlens_padded() if draw(st.booleans()) else None
+    return StatsInput(pack.cu_seqlens(), padded, pack.pack_len if draw(st.booleans()) else None, window)

@@ -1,6 +1,9 @@
 """FlopsAccumulator in one process: sync-free accumulation, VPP dedup, dense extrapolation, exact counters.
 
-The collective paths (packed DP reduce, CP ranks, empty packs) run on real gloo groups in
+CPU boundaries are counted on the host as they come; `count_on="device"` stages them for the
+kernel path a device runs (here on CPU tensors, which have values to compare, or on `meta`
+tensors, which prove that nothing is read back and whose dispatch shows the kernels). The
+collective paths (packed DP reduce, CP ranks, empty packs) run on real gloo groups in
 functional/test_accounting_collectives.py.
 """
 
@@ -8,11 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from accounting import FlopsAccumulator, ModelShape, SeqlenStats, seqlen_stats, training_flops
-from unit.strategies import packs
+from accounting.seqlens import normalize_window, seqlen_stats_vector
+from unit.strategies import packs, stats_inputs
 
 pytestmark = pytest.mark.L0
 
@@ -279,50 +284,153 @@ def test_malformed_statistics_are_refused_by_training_flops_too():
         training_flops(SHAPE, seqlen_stats(torch.tensor([5, 10])))
 
 
-def test_add_microbatch_calls_no_syncing_function_even_on_malformed_input():
-    acc = FlopsAccumulator(packed=True, window_size=3)
-    with CallLog() as log:
+class CountKernels(TorchDispatchMode):
+    """Counts the ATen operators that are not views: each one a kernel launch on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("count_on", ["auto", "device"])
+def test_add_microbatch_calls_no_syncing_function_even_on_malformed_input(count_on):
+    # The device path never reads a value; the host path reads the CPU buffer, which is no sync,
+    # and runs no torch kernel at all.
+    acc = FlopsAccumulator(packed=True, window_size=3, count_on=count_on)
+    with CallLog() as log, CountKernels() as kernels:
         acc.add_microbatch(cu_seqlens=torch.tensor([[0, 4, 9, -1], [0, 5, 3, 8]]), seq_len=9)
         acc.add_microbatch(cu_seqlens=torch.tensor([0, 4]), cu_seqlens_padded=torch.tensor([0, 6]), seq_len=9)
-    assert log.calls and not [c for c in log.calls if c in SYNCS]
+    if count_on == "device":
+        assert log.calls and not [c for c in log.calls if c in SYNCS]
+        assert kernels.count == 3  # one int64 copy per boundary tensor
+    else:
+        assert kernels.count == 0
+    assert acc.local_stats().malformed() == {"order": 1}
 
 
-def _sentinel_pack(docs: int, rows: int) -> torch.Tensor:
+def _sentinel_pack(docs: int, rows: int, device: str = "cpu") -> torch.Tensor:
     """`rows` rows of `docs` documents of 3 tokens, then a -1 tail of 2 (int32)."""
     cu = torch.arange(0, 3 * (docs + 1), 3).expand(rows, -1)
-    return torch.cat([cu, torch.full((rows, 2), -1)], dim=1).to(torch.int32)
+    return torch.cat([cu, torch.full((rows, 2), -1)], dim=1).to(device=device, dtype=torch.int32)
+
+
+def _step_kernels(microbatches: int, docs: int, rows: int, padded_and_window: bool) -> tuple[list[int], int]:
+    """On meta tensors: the kernels of each add_microbatch, and of the resolve that follows."""
+    acc = FlopsAccumulator(packed=True, window_size=(3, 1) if padded_and_window else None, device="meta")
+    per_microbatch = []
+    for i in range(microbatches):
+        cu = _sentinel_pack(docs + i, rows, "meta")  # widths differ: the step's layout pads them
+        with CountKernels() as counter:
+            acc.add_microbatch(
+                cu_seqlens=cu, cu_seqlens_padded=cu if padded_and_window else None, seq_len=3 * docs
+            )
+        per_microbatch.append(counter.count)
+    with CountKernels() as counter:
+        stats = acc.resolve()
+    assert stats.squared.is_meta
+    return per_microbatch, counter.count
+
+
+@pytest.mark.parametrize("padded_and_window", [False, True])
+def test_device_path_stages_each_microbatch_in_at_most_two_kernels_and_counts_a_step_in_a_fixed_number(
+    padded_and_window,
+):
+    # Structure, not timing: kernels are the non-view ATen operators dispatched on meta tensors
+    # (one launch each on a GPU). Staging is one int64 copy per boundary tensor, whatever the
+    # pack; the step's statistics are one fixed set of kernels, whatever the number of
+    # microbatches, documents or rows.
+    per_step = {}
+    for microbatches in (1, 4, 8):
+        for docs, rows in ((1, 1), (300, 1), (300, 8)):
+            per_microbatch, at_resolve = _step_kernels(microbatches, docs, rows, padded_and_window)
+            assert per_microbatch == [2 if padded_and_window else 1] * microbatches
+            per_step[microbatches, docs, rows] = at_resolve
+    assert len(set(per_step.values())) == 1, per_step
+    # Counted per microbatch, the kernel path cost 29 kernels each (232 for a step of 8); a whole
+    # step now costs at most 48, whatever the number of microbatches.
+    assert next(iter(per_step.values())) <= 48, per_step
+
+
+def test_a_second_step_of_the_same_layout_reuses_the_gather_index():
+    acc = FlopsAccumulator(packed=True, device="meta")
+    counts = []
+    for _ in range(3):
+        for _ in range(4):
+            acc.add_microbatch(cu_seqlens=_sentinel_pack(5, 2, "meta"), seq_len=15)
+        with CountKernels() as counter:
+            acc.local_stats()
+        counts.append(counter.count)
+
+        acc._reset_microbatches()
+    assert counts[1] == counts[2] == counts[0] - 1  # the index moved to the device once
 
 
 @pytest.mark.parametrize("padded_and_window", [False, True])
 def test_add_microbatch_makes_a_fixed_number_of_torch_calls_whatever_the_pack(padded_and_window):
-    # The sync-free path is a fixed sequence of vectorised kernels: its torch calls (kernel launches
-    # on a GPU, views and attribute reads aside) grow neither with the documents nor with the rows.
-    # The ceiling is the budget set when the path was vectorised (it took 55 calls before);
-    # ci/bench_accounting.py measures the cost.
-    acc = FlopsAccumulator(packed=True, window_size=(3, 1) if padded_and_window else None)
-    counts = []
-    for docs, rows in ((1, 1), (300, 1), (300, 8)):
-        cu = _sentinel_pack(docs, rows)
-        kwargs = {
-            "cu_seqlens": cu,
-            "cu_seqlens_padded": cu if padded_and_window else None,
-            "seq_len": 3 * docs,
-        }
-        acc.add_microbatch(**kwargs)  # the steady state: later calls also add to the running sum
-        with CallLog() as log:
+    # Host path: every call, whatever the pack, makes the same few torch calls (attribute reads and
+    # one read of the buffer), no kernel. Device path: the same, one copy per boundary tensor. The
+    # ceiling is the budget set when the single-pack kernel path was vectorised (55 calls before).
+    for count_on in ("auto", "device"):
+        acc = FlopsAccumulator(
+            packed=True, window_size=(3, 1) if padded_and_window else None, count_on=count_on
+        )
+        counts = []
+        for docs, rows in ((1, 1), (300, 1), (300, 8)):
+            cu = _sentinel_pack(docs, rows)
+            kwargs = {
+                "cu_seqlens": cu,
+                "cu_seqlens_padded": cu if padded_and_window else None,
+                "seq_len": 3 * docs,
+            }
             acc.add_microbatch(**kwargs)
-        counts.append(len(log.calls))
-    assert len(set(counts)) == 1, counts
-    assert padded_and_window or counts[0] <= 36, counts
+            with CallLog() as log:
+                acc.add_microbatch(**kwargs)
+            counts.append(len(log.calls))
+        assert len(set(counts)) == 1, (count_on, counts)
+        assert counts[0] <= 36, counts
 
 
-def test_step_reads_the_statistics_back_exactly_once():
-    acc = FlopsAccumulator(packed=True)
+@settings(max_examples=150)
+@given(st.lists(stats_inputs(), min_size=1, max_size=5), st.sampled_from([None, 2, (3, 1), (-1, 0)]))
+def test_host_path_and_staged_device_path_give_the_same_statistics(microbatches, window):
+    # The same microbatches, malformed ones included, counted on the host as they come and by the
+    # kernels of one staged step; both equal the sum of each pack's own kernel vector.
+    window = normalize_window(window)
+    host = FlopsAccumulator(packed=True, window_size=window)
+    device = FlopsAccumulator(packed=True, window_size=window, count_on="device")
+    expected = [0] * len(SeqlenStats.field_names())
+    each = []
+    for drawn in microbatches:
+        for acc in (host, device):
+            acc.add_microbatch(
+                cu_seqlens=drawn.cu_seqlens, cu_seqlens_padded=drawn.cu_seqlens_padded, seq_len=drawn.pack_len
+            )
+        one = seqlen_stats_vector(
+            drawn.cu_seqlens, drawn.cu_seqlens_padded, window=window, pack_len=drawn.pack_len
+        ).tolist()
+        each.append(one)
+        expected = [a + b for a, b in zip(expected, one, strict=True)]
+    assert host.local_stats().held_ints() is not None and host.local_stats().held_ints() == tuple(expected)
+    assert device.local_stats().held_ints() is None
+    assert list(device.local_stats().to_dict().values()) == expected
+    # Each microbatch's own vector too (the step's error message names microbatches from them).
+    assert host._per_microbatch() == device._per_microbatch() == each
+
+
+@pytest.mark.parametrize("count_on", ["auto", "device"])
+def test_step_reads_the_statistics_back_exactly_once(count_on):
+    # The device path reads the step's vector back once; the host path holds ints and reads none.
+    acc = FlopsAccumulator(packed=True, count_on=count_on)
     for _ in range(3):
         acc.add_microbatch(cu_seqlens=torch.tensor([0, 4, 9, 9]), seq_len=12)
     with CallLog() as log:
         acc.step(SHAPE)
-    assert [c for c in log.calls if c in SYNCS] == ["tolist"]
+    assert [c for c in log.calls if c in SYNCS] == (["tolist"] if count_on == "device" else [])
+    assert acc.total_tokens == 27
 
 
 @given(packs())
@@ -330,3 +438,87 @@ def test_malformed_counters_ride_the_meta_vector_without_a_read(pack):
     acc = FlopsAccumulator(packed=True, device="meta")
     acc.add_microbatch(cu_seqlens=pack.cu_seqlens(device="meta"), seq_len=1)  # likely beyond the pack
     assert acc.local_stats().malformed_rows.is_meta
+
+
+# ---------------------------------------------------------------- statistics made in the data loader
+
+
+PACK_LEN = 64
+
+
+def _collate(samples: list[list[int]]) -> dict:
+    """A packing collate function: documents end to end in one pack, and the pack's statistics."""
+    tokens = torch.cat([torch.tensor(doc) for doc in samples])
+    cu = torch.tensor([0, *torch.tensor([len(doc) for doc in samples]).cumsum(0).tolist()], dtype=torch.int32)
+    return {
+        "tokens": tokens,
+        "cu_seqlens": cu,
+        "flops_stats": seqlen_stats(cu, pack_len=PACK_LEN, window_size=4),
+    }
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_stats_made_in_a_dataloader_collate_count_what_the_boundaries_count(workers):
+    documents = [[1] * n for n in (5, 9, 1, 17, 3, 8, 12, 2, 6)]
+    loader = torch.utils.data.DataLoader(documents, batch_size=3, collate_fn=_collate, num_workers=workers)
+    from_stats = FlopsAccumulator(packed=True, window_size=4)
+    from_boundaries = FlopsAccumulator(packed=True, window_size=4)
+    for batch in loader:
+        with CountKernels() as kernels:
+            from_stats.add_microbatch(stats=batch["flops_stats"])
+        assert kernels.count == 0  # the training step does no device work for FLOPs
+        from_boundaries.add_microbatch(cu_seqlens=batch["cu_seqlens"], seq_len=PACK_LEN)
+    assert from_stats.num_microbatches == 3
+    shape = ModelShape(num_layers=1, hidden_size=8, num_attention_heads=1, vocab_size=8, window_size=4)
+    lengths = [len(doc) for doc in documents]
+    assert from_stats.local_stats().to_dict()["squared"] == sum(n * n for n in lengths)
+    assert from_stats.step(shape) == from_boundaries.step(shape) > 0
+    assert from_stats.total_tokens == sum(lengths)
+
+
+def test_stats_of_another_window_or_with_boundaries_too_are_refused():
+    acc = FlopsAccumulator(packed=True, window_size=4)
+    with pytest.raises(ValueError, match=r"window \(4, 0\).*window_size=\(4, 0\)"):
+        acc.add_microbatch(stats=seqlen_stats(torch.tensor([0, 3])))
+    with pytest.raises(ValueError, match="not both"):
+        acc.add_microbatch(
+            stats=seqlen_stats(torch.tensor([0, 3]), window_size=4), cu_seqlens=torch.tensor([0, 3])
+        )
+    with pytest.raises(ValueError, match="must be a SeqlenStats"):
+        acc.add_microbatch(stats={"tokens": 3})
+    with pytest.raises(ValueError, match="packed"):
+        FlopsAccumulator(packed=False).add_microbatch(stats=SeqlenStats.dense(1, 4))
+    assert acc.num_microbatches == 0
+
+
+def test_malformed_stats_from_the_data_loader_are_named_at_step():
+    acc = FlopsAccumulator(packed=True)
+    acc.add_microbatch(stats=seqlen_stats(torch.tensor([0, 4, 8])))
+    acc.add_microbatch(cu_seqlens=torch.tensor([0, 2]))
+    acc.add_microbatch(stats=seqlen_stats(torch.tensor([0, 5, 3])))
+    with pytest.raises(ValueError, match=r"microbatch 2 has 1 malformed row \(a boundary smaller"):
+        acc.step(SHAPE)
+
+
+def test_device_held_stats_join_the_staged_microbatches_without_a_read():
+    acc = FlopsAccumulator(packed=True, device="meta")
+    acc.add_microbatch(stats=seqlen_stats(torch.tensor([0, 4, 8], device="meta")))
+    acc.add_microbatch(cu_seqlens=torch.tensor([0, 2], device="meta"))
+    assert acc.local_stats().squared.is_meta
+    cpu = FlopsAccumulator(packed=True, count_on="device")
+    cpu.add_microbatch(stats=SeqlenStats.from_vector(seqlen_stats_vector(torch.tensor([0, 4, 8]))))
+    cpu.add_microbatch(stats=seqlen_stats(torch.tensor([0, 5])))  # held on the host: added as ints
+    cpu.add_microbatch(cu_seqlens=torch.tensor([0, 2]))
+    assert cpu.local_stats().to_dict()["squared"] == 16 + 16 + 25 + 4
+
+
+def test_host_and_device_paths_wrap_a_step_sum_past_int64_alike():
+    # Each pack fits (s² = (2**31 - 1)**2 < 2**63); four of them pass 2**64 - 2**34 and wrap, on
+    # the host as in the device's int64 sum: -2**34 + 4.
+    cu = torch.tensor([0, 2**31 - 1])
+    host, device = FlopsAccumulator(packed=True), FlopsAccumulator(packed=True, count_on="device")
+    for acc in (host, device):
+        for _ in range(4):
+            acc.add_microbatch(cu_seqlens=cu)
+    assert host.local_stats().to_dict() == device.local_stats().to_dict()
+    assert host.local_stats().to_dict()["squared"] == 4 * (2**31 - 1) ** 2 - 2**64 == -(2**34) + 4

@@ -1,6 +1,13 @@
-"""seqlen_stats / SeqlenStats / validate_cu_seqlens: properties against plain loops, edge cases, rejections."""
+"""seqlen_stats / SeqlenStats / validate_cu_seqlens: properties against plain loops, edge cases, rejections.
+
+CPU tensors are counted on the host (a Python loop or numpy, no torch kernel) and every other
+device with torch kernels; `seqlen_stats_vector` is always the kernel path, so the tests here
+compare the host path with it value for value.
+"""
 
 from __future__ import annotations
+
+import pickle
 
 import pytest
 import torch
@@ -8,7 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting import SeqlenStats, seqlen_stats, validate_cu_seqlens
-from unit.strategies import DTYPES, FORMS, packs, raw_boundaries, windows
+from accounting.seqlen_fields import FIELDS
+from accounting.seqlen_host import LOOP_LIMIT, host_values
+from accounting.seqlens import seqlen_stats_vector
+from unit.strategies import DTYPES, FORMS, packs, raw_boundaries, stats_inputs, windows
 
 pytestmark = pytest.mark.L0
 
@@ -379,3 +389,92 @@ def test_malformed_counters_add_and_round_trip_through_the_vector():
     both = bad + bad
     assert both.malformed() == {"order": 2}
     assert SeqlenStats.from_vector(both.to_vector()).malformed() == {"order": 2}
+
+
+# ---------------------------------------------------------------- the host path equals the kernels
+
+
+def _kernels(given) -> list[int]:
+    return seqlen_stats_vector(
+        given.cu_seqlens, given.cu_seqlens_padded, window=given.window, pack_len=given.pack_len
+    ).tolist()
+
+
+@settings(max_examples=300)
+@given(stats_inputs())
+def test_host_loop_and_numpy_give_exactly_the_kernels_vector(given):
+    # Malformed rows included: the counters, and the (wrong) sums of malformed rows, are the same.
+    expected = _kernels(given)
+    two_d = given.cu_seqlens.dim() == 2
+    for method in ("loop", "numpy"):
+        got = host_values(
+            given.cu_seqlens,
+            given.cu_seqlens_padded,
+            two_d,
+            window=given.window,
+            pack_len=given.pack_len,
+            method=method,
+        )
+        assert got == expected, method
+    stats = seqlen_stats(
+        given.cu_seqlens, given.cu_seqlens_padded, window_size=given.window, pack_len=given.pack_len
+    )
+    assert stats.held_ints() is not None  # CPU boundaries: counted on the host, no kernel
+    assert list(stats.to_dict().values()) == expected
+
+
+@pytest.mark.parametrize("docs", [1, 8, 200, 3000])
+@pytest.mark.parametrize("form", FORMS)
+def test_host_paths_equal_the_kernels_on_both_sides_of_the_size_switch(docs, form):
+    # Packs below and above LOOP_LIMIT take different host paths; 2-D ragged rows, int32.
+    rows = [[1 + (i * 7 + r) % 13 for i in range(docs - r)] for r in range(3)]
+    width = docs + 2
+    cu = torch.tensor(
+        [
+            [0, *torch.tensor(row).cumsum(0).tolist()]
+            + [-1 if form == "sentinel" else sum(row)] * (width - len(row) - 1)
+            for row in rows
+        ],
+        dtype=torch.int32,
+    )
+    assert (cu.numel() <= LOOP_LIMIT) == (docs < 30)
+    for window in (None, (5, 0), (2, 3)):
+        expected = seqlen_stats_vector(cu, window=window, pack_len=40 * docs).tolist()
+        assert list(seqlen_stats(cu, window_size=window, pack_len=40 * docs).to_dict().values()) == expected
+        assert expected[1] == sum(map(sum, rows)) and expected[9] == 0
+
+
+def test_huge_boundaries_wrap_on_the_host_as_int64_kernels_wrap():
+    # Lengths of 2**40: their squares wrap an int64 sum; the host path wraps the same way.
+    cu = torch.tensor([[0, 2**40, 2**41, 3 * 2**40]] * 3)
+    expected = seqlen_stats_vector(cu, window=(0, -1)).tolist()
+    assert list(seqlen_stats(cu, window_size=(0, -1)).to_dict().values()) == expected
+    assert seqlen_stats(cu).malformed() == {"int64": 3}
+
+
+def test_host_stats_are_ints_until_a_field_is_asked_for_then_int64_tensors():
+    stats = seqlen_stats(torch.tensor([0, 3, 5], dtype=torch.int32), pack_len=8)
+    assert stats.held_ints() == (2, 5, 13, 8, 13, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert stats.squared.dtype == torch.int64 and stats.squared.dim() == 0 and int(stats.squared) == 13
+    assert stats.to_vector().tolist() == list(stats.held_ints())
+
+
+def test_seqlen_stats_are_immutable_and_pickle_as_what_they_hold():
+    host = seqlen_stats(torch.tensor([0, 3, 5]), window_size=1)
+    with pytest.raises(AttributeError, match="immutable"):
+        host.tokens = torch.tensor(0)
+    again = pickle.loads(pickle.dumps(host))
+    assert again.held_ints() == host.held_ints() and again.window == (1, 0)
+    kernel = SeqlenStats.from_vector(
+        seqlen_stats_vector(torch.tensor([0, 3, 5]), window=(1, 0)), window=(1, 0)
+    )
+    assert pickle.loads(pickle.dumps(kernel)).to_dict() == host.to_dict()
+
+
+def test_seqlen_stats_constructor_takes_the_fields_by_position_or_name():
+    tensors = [torch.tensor(i) for i in range(len(FIELDS))]
+    by_name = SeqlenStats(**dict(zip(FIELDS, tensors, strict=True)))
+    assert list(SeqlenStats(*tensors).to_dict().values()) == list(range(len(FIELDS)))
+    assert by_name.to_dict() == SeqlenStats(*tensors).to_dict()
+    with pytest.raises(TypeError, match="fields"):
+        SeqlenStats(*tensors[:3])

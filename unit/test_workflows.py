@@ -548,14 +548,12 @@ def test_the_old_entry_points_are_gone(module: str) -> None:
 
 def test_no_ci_module_runs_on_its_own() -> None:
     """`python -m ci COMMAND` is the one way in: no other file under ci/ has a `__main__` block."""
-    # ci/bench_accounting.py is folded into ci/benchmarks on another branch; it leaves this list then.
-    not_yet_folded = {"ci/bench_accounting.py"}
     scripts = {
         str(path.relative_to(ROOT))
         for path in (ROOT / "ci").rglob("*.py")
         if path.name != "__main__.py" and re.search(r"^if __name__ == .__main__.:", path.read_text(), re.M)
     }
-    assert scripts <= not_yet_folded
+    assert scripts == set()
 
 
 def _report(tmp_path: Path) -> Path:

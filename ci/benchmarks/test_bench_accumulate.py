@@ -1,9 +1,24 @@
-"""`FlopsAccumulator.add_microbatch` against a syncing ``.tolist()`` loop, at 8/512/8192 documents.
+"""A training step's FLOPs counting against the naive `.tolist()` loop, at 8, 512 and 8192 documents.
 
-Each pack is a 2-D ``[4, docs + 3]`` int32 cu_seqlens with a -1 tail. Ours runs a fixed number of
-vectorised kernels whatever the number of documents; the loop reads the boundaries back (a host
-sync on a GPU) and walks them in Python. One group per size: ``ci/bench_compare.py`` compares
-ours/loop within the group, run against run. The loop is also the oracle: both must agree.
+One step is 8 microbatches of a 1-D int32 cu_seqlens (random lengths, a -1 tail), then
+`resolve`. In each group, side by side in one run:
+
+- `step_host` (subject): `FlopsAccumulator.add_microbatch` on CPU tensors, counted on the host as
+  they come (a Python loop for small packs, numpy on the tensor's buffer for larger ones);
+- `step_device_path` (subject): the same step through the device path (`count_on="device"`),
+  here on CPU tensors: each microbatch staged by one copy, the step counted by one fixed set of
+  kernels at resolve (what a GPU runs, minus the launches);
+- `step_loop` (baseline): `.tolist()` and a Python loop per microbatch (documents, tokens, Σs²
+  only: it checks nothing), which on a GPU is also a sync per microbatch.
+
+`ci/bench_compare.py` compares subject/baseline medians run against run. On a loaded machine use
+a CPU-time timer, and read medians:
+
+    python -m pytest ci/benchmarks/test_bench_accumulate.py --benchmark-only \\
+        --benchmark-timer=time.process_time --benchmark-columns=median,iqr,rounds -p no:cacheprovider
+
+`test_kernels_per_microbatch_and_per_step` prints the kernel counts (host path: none; device path
+on `meta` tensors: per microbatch and per step) and asserts their structure.
 """
 
 from __future__ import annotations
@@ -12,18 +27,12 @@ import pytest
 import torch
 
 from accounting import FlopsAccumulator
-from ci import bench_accounting
-from ci.bench_accounting import syncing_stats  # the loop is also the oracle
+from ci.benchmarks.accounting_packs import PACK_LEN, CountKernels, make_pack, syncing_stats
 
 pytestmark = [pytest.mark.L2]
 
-ROWS = 4
-PACK_LEN = 8192 * 8
-
-
-def make_pack(docs: int) -> torch.Tensor:
-    """``ROWS`` rows of ``docs`` random-length documents each, plus a -1 tail of 2 entries."""
-    return bench_accounting.make_pack(docs, ROWS, PACK_LEN)
+MICROBATCHES = 8
+ROUNDS = {8: 400, 512: 200, 8192: 50}
 
 
 @pytest.fixture(autouse=True)
@@ -34,25 +43,87 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.benchmark
-@pytest.mark.parametrize("docs", [8, 512, 8192])
-def test_accumulate_ours(benchmark, docs: int) -> None:
-    cu = make_pack(docs)
-    acc = FlopsAccumulator(packed=True)
-    benchmark.group = f"accumulate-{docs}docs"
-    benchmark.extra_info.update(role="subject", docs=docs)
-    benchmark(acc.add_microbatch, cu_seqlens=cu, seq_len=PACK_LEN)
-    once = FlopsAccumulator(packed=True)
-    once.add_microbatch(cu_seqlens=cu, seq_len=PACK_LEN)
-    stats = once.resolve().to_dict()
-    assert (stats["num_sequences"], stats["tokens"], stats["squared"]) == syncing_stats(cu)
+def _packs(docs: int, device: str = "cpu") -> list[torch.Tensor]:
+    """A step's microbatches: 8 different 1-D packs of about `docs` documents each."""
+    return [make_pack(docs + i, 0).to(device) for i in range(MICROBATCHES)]
+
+
+def _step(acc: FlopsAccumulator, packs: list[torch.Tensor]):
+    for cu in packs:
+        acc.add_microbatch(cu_seqlens=cu, seq_len=PACK_LEN)
+    return acc.resolve()
+
+
+def _loop_step(packs: list[torch.Tensor]) -> tuple[int, int, int]:
+    docs = tokens = squared = 0
+    for cu in packs:
+        d, t, s = syncing_stats(cu)
+        docs, tokens, squared = docs + d, tokens + t, squared + s
+    return docs, tokens, squared
+
+
+def _bench_step(benchmark, docs: int, count_on: str):
+    packs = _packs(docs)
+    benchmark.group = f"accounting-step-{docs}docs"
+    benchmark.extra_info.update(role="subject", docs=docs, microbatches=MICROBATCHES, count_on=count_on)
+    # A fresh accumulator per round (not timed): each round is one step from its first microbatch.
+    stats = benchmark.pedantic(
+        _step,
+        setup=lambda: ((FlopsAccumulator(packed=True, count_on=count_on), packs), {}),
+        rounds=ROUNDS[docs],
+        warmup_rounds=2,
+    )
+    got = stats.to_dict()
+    assert (got["num_sequences"], got["tokens"], got["squared"]) == _loop_step(packs)
+    assert got["malformed_rows"] == 0 and got["padded_tokens"] == MICROBATCHES * PACK_LEN
 
 
 @pytest.mark.benchmark
 @pytest.mark.parametrize("docs", [8, 512, 8192])
-def test_accumulate_syncing_loop(benchmark, docs: int) -> None:
-    cu = make_pack(docs)
-    benchmark.group = f"accumulate-{docs}docs"
-    benchmark.extra_info.update(role="baseline", docs=docs)
-    docs_seen, _tokens, _squared = benchmark(syncing_stats, cu)
-    assert docs_seen == ROWS * docs
+def test_step_host(benchmark, docs: int) -> None:
+    _bench_step(benchmark, docs, "auto")
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("docs", [8, 512, 8192])
+def test_step_device_path(benchmark, docs: int) -> None:
+    _bench_step(benchmark, docs, "device")
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("docs", [8, 512, 8192])
+def test_step_loop(benchmark, docs: int) -> None:
+    packs = _packs(docs)
+    benchmark.group = f"accounting-step-{docs}docs"
+    benchmark.extra_info.update(role="baseline", docs=docs, microbatches=MICROBATCHES)
+    docs_seen, _tokens, _squared = benchmark.pedantic(
+        _loop_step, args=(packs,), rounds=ROUNDS[docs], warmup_rounds=2
+    )
+    assert docs_seen == sum(docs + i for i in range(MICROBATCHES))
+
+
+def _kernels(docs: int, microbatches: int, device: str, count_on: str) -> tuple[int, int]:
+    """(kernels of the heaviest add_microbatch, kernels of the resolve) for one step."""
+    acc = FlopsAccumulator(packed=True, count_on=count_on, device=device if device == "meta" else None)
+    most = 0
+    for cu in _packs(docs, device)[:microbatches]:
+        with CountKernels() as counter:
+            acc.add_microbatch(cu_seqlens=cu, seq_len=PACK_LEN)
+        most = max(most, counter.count)
+    with CountKernels() as counter:
+        acc.resolve()
+    return most, counter.count
+
+
+@pytest.mark.parametrize("docs", [8, 512, 8192])
+def test_kernels_per_microbatch_and_per_step(docs: int, capsys) -> None:
+    host = _kernels(docs, MICROBATCHES, "cpu", "auto")
+    device = {n: _kernels(docs, n, "meta", "device") for n in (1, 4, 8)}
+    with capsys.disabled():
+        print(
+            f"\n{docs} docs: host path {host[0]} kernels per microbatch, {host[1]} per step; device path "
+            f"(meta) {device[8][0]} per microbatch, per step {[device[n][1] for n in (1, 4, 8)]} for 1/4/8"
+        )
+    assert host == (0, 0)
+    assert all(per_microbatch <= 2 for per_microbatch, _ in device.values())
+    assert len({per_step for _, per_step in device.values()}) == 1

@@ -38,7 +38,7 @@ def bench_add_microbatch(
     it: one `.item()` of the device argmin (Megatron-Bridge's `_real_subseq_lengths` when the argmin
     lives on the device), or a `.tolist()` of the boundaries and a Python loop.
     """
-    from ci.bench_accounting import make_pack
+    from ci.benchmarks.accounting_packs import make_pack
 
     device = "cuda" if cuda else "cpu"
     table = {}
@@ -53,7 +53,7 @@ def _variants(cu: Any) -> dict[str, Callable[[], Any]]:
     import torch
 
     from accounting import FlopsAccumulator
-    from ci.bench_accounting import syncing_stats
+    from ci.benchmarks.accounting_packs import syncing_stats
 
     acc = FlopsAccumulator(packed=True)
 
