@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", metavar="DIR", default=str(ROOT), help="the project to test (default: this one)")
     p.add_argument("--limit-method", choices=("auto", *METHODS), default="auto", help="how to cap the run")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+    p.add_argument(
+        "--hypothesis-seed",
+        type=int,
+        metavar="N",
+        help="hypothesis's seed (default: the one the report's run recorded, if any)",
+    )
     p.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
     return p
 
@@ -162,6 +168,8 @@ def _choose_job(name: str | None, ci_job: str | None, tier: str | None, gpus: in
         if name not in JOBS:
             raise UsageError(f"--job: unknown job {name!r}: expected one of {', '.join(JOBS)}")
         job = JOBS[name]
+        if job.suite != "tests":
+            raise UsageError(f"--job {name} runs the benchmarks, not tests: python -m ci bench")
         if tier is not None and tier != job.tier:
             raise UsageError(f"--job {name} runs tier {job.tier}, not {tier}")
         return job
@@ -189,6 +197,18 @@ def collected_ids(root: Path, nodeids: list[str], variables: dict[str, str]) -> 
     return {line.strip() for line in out.stdout.splitlines() if "::" in line}
 
 
+def recorded_seed(session: dict[str, Any]) -> int | None:
+    """The ``--hypothesis-seed`` among a report's recorded pytest arguments (the nightly exploring row's)."""
+    args = [str(a) for a in session.get("pytest_args") or []]
+    for i, arg in enumerate(args):
+        value = arg.partition("=")[2] if arg.startswith("--hypothesis-seed=") else None
+        if arg == "--hypothesis-seed" and i + 1 < len(args):
+            value = args[i + 1]
+        if value is not None and value.lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
 def plan(args: argparse.Namespace) -> Plan | None:
     """The run the arguments ask for; None when a report has no failures (nothing to rerun)."""
     if args.tier is not None and args.tier not in TIERS:
@@ -206,6 +226,7 @@ def plan(args: argparse.Namespace) -> Plan | None:
     ci_failed: list[dict[str, Any]] = []
     ci_junit: dict[tuple[str, str], str] = {}
     source = None
+    seed: int | None = args.hypothesis_seed
     if args.from_report:
         try:
             ci_report = load_report(args.from_report)
@@ -225,6 +246,7 @@ def plan(args: argparse.Namespace) -> Plan | None:
         if isinstance(session.get("ci_job"), str) and session["ci_job"] in JOBS:
             ci_job = session["ci_job"]  # the row the CI job ran (KIT_CI_JOB, recorded by the plugin)
         source = f"{len(ci_failed)} failed test(s) from {args.from_report}"
+        seed = recorded_seed(session) if seed is None else seed
 
     job = _choose_job(args.job, ci_job, tier, gpus)
     gpus = job.gpus if gpus is None else gpus
@@ -234,6 +256,9 @@ def plan(args: argparse.Namespace) -> Plan | None:
     command = [sys.executable, "-m", "pytest", *pytest_args(job, reports)]
     if args.keyword:
         command += ["-k", args.keyword]
+    if seed is not None:
+        # An exploring row's failure: the same seed draws the same examples (run after run).
+        command.append(f"--hypothesis-seed={seed}")
     variables = job_variables(job, reports, gpus, host, device)
     stale: list[str] = []
     if ci_failed:
