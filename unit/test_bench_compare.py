@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,39 @@ def test_history_keeps_the_newest_runs_and_refuses_a_second_baseline(
     (tmp_path / "file").write_text("")
     assert main(["bench", "--run", str(paths[-1]), "--history", str(tmp_path / "file")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.L1
+def test_the_nightly_rows_command_saves_into_the_history_and_fails_on_a_regression(tmp_path: Path) -> None:
+    """`ci/test.sh bench ...` as the bench-cpu row runs it, against a planted previous night."""
+    from ci.jobs import JOBS
+
+    project = tmp_path / "project"
+    (project / "ci").mkdir(parents=True)
+    shutil.copy(ROOT / "ci" / "test.sh", project / "ci" / "test.sh")
+    # Installing is not what is tested here: the setup step prints the interpreter to use.
+    (project / "ci" / "setup.sh").write_text(f"#!/usr/bin/env bash\necho {sys.executable}\n")
+    history, md = tmp_path / "history", tmp_path / "bench-report.md"
+    group = "launch-noop-2ranks"
+    planted = _run(
+        history / "last-night.json",
+        "2000-01-01",
+        {(group, "test_noop_run_ranks", "subject"): 1e-6, (group, "test_noop_torch_spawn", "baseline"): 1.0},
+    )
+    command = JOBS["bench-cpu"].command()
+    command[command.index("--history") + 1] = str(history)
+    command[command.index("--markdown") + 1] = str(md)
+    result = subprocess.run(
+        [*command, "-k", "noop"],
+        cwd=project,
+        env={**os.environ, "KIT_BENCH_LAUNCH_ROUNDS": "1", "PYTHONPATH": str(ROOT), "KIT_ALLOWED_SKIPS": ""},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    tonight = [path for path in history.iterdir() if path != planted]
+    assert len(tonight) == 1 and bench_compare.load(tonight[0])["benchmarks"], "the run lands in the history"
+    table = md.read_text()
+    assert f"| {group}: noop_run_ranks / noop_torch_spawn | 0.000 |" in table and "| regressed |" in table
+    assert f"baseline: {planted}" in table
