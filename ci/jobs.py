@@ -128,6 +128,10 @@ class Job:
     suite: str = "tests"
     history: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.suite not in SUITES:
+            raise ValueError(f"row {self.name}: suite {self.suite!r} is not one of {', '.join(SUITES)}")
+
     @property
     def select(self) -> str:
         """The mark expression the job runs (its tier unless the row narrows it)."""

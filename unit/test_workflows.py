@@ -649,6 +649,8 @@ def test_the_nightly_rows_explore_the_properties_and_run_the_benchmarks() -> Non
         "bash", "ci/test.sh", "bench", "--history", "reports/benchmarks", "--markdown", "reports/bench-report.md",
     ]  # fmt: skip
     assert [row.name for row in JOBS.values() if row.history] == ["bench-cpu"]
+    with pytest.raises(ValueError, match="suite 'benchmarks' is not one of tests, bench"):
+        Job(name="x", tier="L2", runs_on=("ubuntu-latest",), timeout_minutes=1, suite="benchmarks")
     # `repro L0` / `repro L2` still emulate the tier rows, never the nightly extras.
     assert (job_for("L0", 0).name, job_for("L2", 0).name) == ("L0-cpu", "L2-cpu")
 
