@@ -6,7 +6,9 @@ in it), the run saved as JSON under reports/benchmarks/, then each group's ratio
 benchmarks recorded. With ``--compare`` (a run's JSON, or a directory of runs) a ratio that grew
 past ``--tolerance`` is a regression and the exit code is 1. Other arguments go to pytest
 (``-k inspect``, ``--benchmark-min-rounds=10``). ``--run RUN.json`` prints and compares a saved
-run instead of running anything.
+run instead of running anything. ``--history DIR`` is the nightly row's: the run is saved into DIR
+and compared with the earlier runs there (none on the first night: nothing to compare, exit 0),
+keeping the newest 30; ``--markdown PATH`` writes the table for the job summary.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from ci.bench_compare import DEFAULT_TOLERANCE
+from ci.bench_compare import DEFAULT_TOLERANCE, HISTORY_KEEP
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = "ci/benchmarks"
@@ -27,8 +29,9 @@ STORAGE = ROOT / "reports" / "benchmarks"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of `python -m ci bench` (unknown ones are pytest's)."""
     parser.usage = (
-        "%(prog)s [--compare BASELINE] [--tolerance FRACTION] [--json PATH] [pytest args]\n"
-        "       %(prog)s --run RUN [--compare BASELINE] [--tolerance FRACTION]"
+        "%(prog)s [--compare BASELINE | --history DIR] [--tolerance FRACTION] [--json PATH]"
+        " [--markdown PATH] [pytest args]\n"
+        "       %(prog)s --run RUN [--compare BASELINE | --history DIR] [--tolerance FRACTION]"
     )
     parser.epilog = "Other arguments go to pytest, e.g. -k inspect or --benchmark-min-rounds=10."
     parser.add_argument(
@@ -36,6 +39,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="BASELINE",
         help="a pytest-benchmark JSON run, or a directory of runs, to compare the ratios with",
+    )
+    parser.add_argument(
+        "--history",
+        type=Path,
+        metavar="DIR",
+        help="save the run into DIR and compare it with the earlier runs there, if any "
+        f"(the nightly row; keeps the newest {HISTORY_KEEP})",
+    )
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        metavar="PATH",
+        help="also write the ratio table as Markdown to PATH (the CI job's summary)",
     )
     parser.add_argument(
         "--tolerance",
@@ -81,13 +97,18 @@ def run(args: argparse.Namespace) -> int:
 
     if args.compare is not None and not args.compare.exists():
         raise UsageError(f"no baseline at {args.compare}")
+    if args.compare is not None and args.history is not None:
+        raise UsageError("--compare and --history both name the baseline: give one")
+    if args.history is not None and args.history.exists() and not args.history.is_dir():
+        raise UsageError(f"--history {args.history} is not a directory")
     if args.run is not None:
         if args.rest or args.json:
             raise UsageError("--run compares a saved run: it takes no --json and no pytest arguments")
         if not args.run.is_file():
             raise UsageError(f"no saved run at {args.run}")
-        return _print_run(args.run, args.compare, args.tolerance)
-    saved = (args.json or STORAGE / time.strftime("%Y%m%dT%H%M%SZ.json", time.gmtime())).resolve()
+        return _print_run(args.run, args)
+    store = args.history or STORAGE
+    saved = (args.json or store / time.strftime("%Y%m%dT%H%M%SZ.json", time.gmtime())).resolve()
     saved.parent.mkdir(parents=True, exist_ok=True)
     command = pytest_command(saved, args.rest)
     print(f"ci bench: {' '.join(command[1:])}", flush=True)
@@ -95,11 +116,11 @@ def run(args: argparse.Namespace) -> int:
     if returncode != 0 or not saved.is_file():
         return returncode or 1
     print(f"ci bench: run saved to {saved}")
-    return _print_run(saved, args.compare, args.tolerance)
+    return _print_run(saved, args)
 
 
-def _print_run(run: Path, baseline: Path | None, tolerance: float) -> int:
-    """The figures the benchmarks recorded, then the ratio table (against `baseline` when given)."""
+def _print_run(run: Path, args: argparse.Namespace) -> int:
+    """The figures the benchmarks recorded, then the ratio table (against the baseline or history, if any)."""
     from ci import bench_compare
 
     try:
@@ -109,4 +130,13 @@ def _print_run(run: Path, baseline: Path | None, tolerance: float) -> int:
         return 2
     for line in lines:
         print(f"  {line}")
-    return bench_compare.report(run, baseline, tolerance)
+    history = args.history
+    if history is not None:
+        history.mkdir(parents=True, exist_ok=True)
+    returncode = bench_compare.report(
+        run, args.compare or history, args.tolerance, history=history is not None, markdown=args.markdown
+    )
+    if history is not None and returncode != 2:
+        for gone in bench_compare.prune(history):
+            print(f"ci bench: history keeps the newest {bench_compare.HISTORY_KEEP} runs: removed {gone}")
+    return returncode

@@ -18,7 +18,11 @@ from typing import Any
 # How much a ratio may grow before it counts as a regression: shared runners move a ratio of two
 # medians by ~10% run to run, so 25% flags a real slowdown without flagging noise.
 DEFAULT_TOLERANCE = 0.25
+# How many runs a history directory keeps (`prune`): a month of nights, a few MB of JSON.
+HISTORY_KEEP = 30
 PROG = "python -m ci bench"  # the command that prints the table, named in its error messages
+# One line of the table: the ratio's name, its earlier value (None: new), its value now, the verdict.
+Row = tuple[str, float | None, float, str]
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -57,9 +61,7 @@ def _short(name: str) -> str:
     return name.removeprefix("test_")
 
 
-def compare(
-    current: dict[str, float], previous: dict[str, float] | None, tolerance: float
-) -> list[tuple[str, float | None, float, str]]:
+def compare(current: dict[str, float], previous: dict[str, float] | None, tolerance: float) -> list[Row]:
     """Rows ``(key, previous ratio, current ratio, verdict)``; verdict ``regressed`` past tolerance."""
     rows = []
     for key, now in current.items():
@@ -104,41 +106,91 @@ def runs(directory: Path) -> list[Path]:
     return [path for _when, path in sorted(found)]
 
 
-def baseline_runs(baseline: Path | None, run: Path) -> list[Path]:
-    """The runs to compare `run` with, oldest first: a JSON file, or every run in a directory but `run`."""
+def baseline_runs(baseline: Path | None, run: Path, *, history: bool = False) -> list[Path]:
+    """The runs to compare `run` with, oldest first: a JSON file, or every run in a directory but `run`.
+
+    A `history` directory may hold no other run (the first night): then there is nothing to compare.
+    """
     if baseline is None:
         return []
     if not baseline.is_dir():
         return [baseline]
     older = [path for path in runs(baseline) if path.resolve() != run.resolve()]
-    if not older:
+    if not older and not history:
         raise ValueError(f"{baseline}: no pytest-benchmark JSON files under it besides {run.name}")
     return older
 
 
-def report(run: Path, baseline: Path | None = None, tolerance: float = DEFAULT_TOLERANCE) -> int:
-    """Print `run`'s ratio table against `baseline`; 1 when a ratio regressed, 2 on bad input."""
+def prune(directory: Path, keep: int = HISTORY_KEEP) -> list[Path]:
+    """Delete all but the newest `keep` runs under `directory`; returns what was deleted."""
+    older = runs(directory)[:-keep] if keep > 0 else runs(directory)
+    for path in older:
+        path.unlink()
+    return older
+
+
+def report(
+    run: Path,
+    baseline: Path | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    *,
+    history: bool = False,
+    markdown: Path | None = None,
+) -> int:
+    """Print `run`'s ratio table against `baseline`; 1 when a ratio regressed, 2 on bad input.
+
+    `history`: `baseline` is the directory of earlier nights, possibly none yet. `markdown`: the
+    same table written there as Markdown (for a CI job's summary).
+    """
     try:
         current = ratios(load(run))
-        previous, old = previous_ratios(current, baseline_runs(baseline, run))
+        previous, old = previous_ratios(current, baseline_runs(baseline, run, history=history))
     except (OSError, ValueError, json.JSONDecodeError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    print(f"ratios of medians, subject / baseline in the same run (lower is better); run {run}")
-    print(
+    rows = compare(current, previous, tolerance)
+    regressed = [row for row in rows if row[3] == "regressed"]
+    against = (
         f"baseline: {old} (and older runs for ratios it lacks)" if old else "no baseline run to compare with"
     )
-    width = max((len(k) for k in current), default=10)
-    print(f"{'ratio':<{width}}  {'baseline':>9}  {'current':>9}  verdict")
-    rows = compare(current, previous, tolerance)
+    verdict = f"{len(regressed)} ratio(s) grew by more than {tolerance:.0%}" if regressed else ""
+    print(f"ratios of medians, subject / baseline in the same run (lower is better); run {run}")
+    print(against)
+    print("\n".join(table_lines(rows)))
+    if verdict:
+        print(verdict)
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(markdown_table(rows, against, verdict or "no ratio regressed", tolerance))
+    return 1 if regressed else 0
+
+
+def table_lines(rows: list[Row]) -> list[str]:
+    """The ratio table as text: ratio, baseline, current, verdict."""
+    width = max((len(row[0]) for row in rows), default=10)
+    lines = [f"{'ratio':<{width}}  {'baseline':>9}  {'current':>9}  verdict"]
     for key, before, now, verdict in rows:
         shown = f"{before:9.3f}" if before is not None else f"{'-':>9}"
-        print(f"{key:<{width}}  {shown}  {now:9.3f}  {verdict}")
-    regressed = [row for row in rows if row[3] == "regressed"]
-    if regressed:
-        print(f"{len(regressed)} ratio(s) grew by more than {tolerance:.0%}")
-        return 1
-    return 0
+        lines.append(f"{key:<{width}}  {shown}  {now:9.3f}  {verdict}")
+    return lines
+
+
+def markdown_table(rows: list[Row], against: str, verdict: str, tolerance: float) -> str:
+    """The ratio table as Markdown, with what it was compared with and the verdict."""
+    lines = [
+        "## Benchmarks",
+        "",
+        "Ratios of medians, subject / baseline measured in the same run (lower is better); a ratio "
+        f"that grew by more than {tolerance:.0%} against the earlier run fails the job. {against}.",
+        "",
+        "| ratio | earlier | now | change | verdict |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for key, before, now, row_verdict in rows:
+        earlier = f"{before:.3f}" if before is not None else "-"
+        change = f"{now / before - 1:+.0%}" if before else "-"
+        lines.append(f"| {key} | {earlier} | {now:.3f} | {change} | {row_verdict} |")
+    return "\n".join([*lines, "", f"**{verdict}**", ""])
 
 
 def figures(data: dict[str, Any]) -> list[str]:

@@ -87,6 +87,18 @@ _GPU_ENV = {
 # `ci/test.sh all` runs a shorter, still randomized, campaign.
 _NIGHTLY_ENV = {"KIT_FAULT_TRIALS": "200"}
 
+# What a row runs: "tests" is pytest on its tier (`ci/test.sh <tier>`); "bench" the benchmarks of
+# ci/benchmarks (`ci/test.sh bench`, i.e. `python -m ci bench`), compared with earlier runs.
+SUITES = ("tests", "bench")
+# The benchmark row's earlier runs: the workflow restores this directory before the run and saves
+# it (with tonight's run added) after a green one (actions/cache), so each night is compared, by
+# ratio, with the previous green night; `python -m ci bench --history` reads and prunes it.
+BENCH_HISTORY = "reports/benchmarks"
+BENCH_MARKDOWN = "reports/bench-report.md"  # the ratio table, for the job summary
+# The nightly properties row: hypothesis draws new examples (conftest.py's `explore` profile, a
+# seed ci/test.sh chooses and prints) instead of replaying the PR rows' derandomised ones.
+EXPLORE_PROFILE = "explore"
+
 
 @dataclass(frozen=True)
 class Job:
@@ -94,7 +106,8 @@ class Job:
 
     `markexpr` is the pytest mark expression (the tier, or `<tier> and gpu` on the GPU rows: the
     CPU/gloo tests run in the CPU job, never over NCCL). `python` is setup-python's version on a
-    GitHub runner (None in a container, which brings its own).
+    GitHub runner (None in a container, which brings its own). `suite` is what it runs (`SUITES`);
+    `history` a directory the workflow keeps from one run of the row to the next (None: nothing).
     """
 
     name: str
@@ -112,6 +125,12 @@ class Job:
     allowed_skips: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     pytest_args: tuple[str, ...] = _COMMON_PYTEST_ARGS
+    suite: str = "tests"
+    history: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.suite not in SUITES:
+            raise ValueError(f"row {self.name}: suite {self.suite!r} is not one of {', '.join(SUITES)}")
 
     @property
     def select(self) -> str:
@@ -143,7 +162,14 @@ class Job:
         return [*narrowed, *self.pytest_args]
 
     def command(self) -> list[str]:
-        """What the workflow step runs: the README's command for this tier, plus the job's args."""
+        """What the workflow step runs: the README's command for this tier, plus the job's args.
+
+        A benchmark row runs `ci/test.sh bench`: saves the run into its history, compares it with
+        the earlier runs there and writes the table for the summary (`python -m ci bench`).
+        """
+        if self.suite == "bench":
+            history = ["--history", self.history] if self.history else []
+            return ["bash", "ci/test.sh", "bench", *history, "--markdown", BENCH_MARKDOWN, *self.pytest_args]
         return ["bash", "ci/test.sh", self.tier, *self.extra_pytest_args()]
 
 
@@ -187,6 +213,32 @@ def _row(tier: str, kind: str, timeout_minutes: int, megatron_core: str = MEGATR
     )
 
 
+def _nightly_cpu_row(
+    name: str,
+    tier: str,
+    timeout_minutes: int,
+    *,
+    markexpr: str = "",
+    env: Mapping[str, str] | None = None,
+    suite: str = "tests",
+    history: str | None = None,
+) -> Job:
+    """A nightly row beside L2 on the CPU runner, with the CPU rows' environment and declared skips."""
+    return Job(
+        name=name,
+        tier=tier,
+        runs_on=CPU_RUNNER,
+        timeout_minutes=timeout_minutes,
+        host_memory="7GB",
+        markexpr=markexpr,
+        allowed_skips=CPU_ALLOWED_SKIPS,
+        env={**_COMMON_ENV, **_CPU_ENV, **(env or {})},
+        pytest_args=_COMMON_PYTEST_ARGS if suite == "tests" else (),
+        suite=suite,
+        history=history,
+    )
+
+
 JOBS: dict[str, Job] = {
     job.name: job
     for job in (
@@ -197,6 +249,13 @@ JOBS: dict[str, Job] = {
         _row("L1", "gpu", 90),
         _row("L2", "cpu", 180),
         _row("L2", "gpu", 180),
+        # After the tier rows, so `job_for` (what `repro L0` emulates) finds those first.
+        # The properties (hypothesis tests, all in L0) exploring: fresh seed, more examples.
+        _nightly_cpu_row(
+            "explore-cpu", "L0", 60, markexpr="L0 and hypothesis", env={"HYPOTHESIS_PROFILE": EXPLORE_PROFILE}
+        ),
+        # The benchmarks (marked L2), compared with the previous green night's by ratio.
+        _nightly_cpu_row("bench-cpu", "L2", 60, suite="bench", history=BENCH_HISTORY),
     )
 }
 
@@ -208,7 +267,12 @@ def job_for(tier: str, gpus: int, megatron_core: str | None = None) -> Job:
     kind = "gpu" if gpus > 0 else "cpu"
     release = megatron_core or MEGATRON_NEWEST
     for job in JOBS.values():
-        if job.tier == tier and (job.gpus > 0) == (gpus > 0) and job.megatron_core == release:
+        if (
+            job.suite == "tests"
+            and job.tier == tier
+            and (job.gpus > 0) == (gpus > 0)
+            and job.megatron_core == release
+        ):
             return job
     rows = sorted(j.name for j in JOBS.values() if j.tier == tier)
     raise ValueError(f"no {kind} row of tier {tier} runs megatron-core {release}: rows are {', '.join(rows)}")
@@ -241,6 +305,8 @@ def describe(job: Job, reports: Path) -> str:
 
 def summary_markdown(job: Job, reports: Path) -> str:
     """What the job appends to GitHub's step summary, once: the kit report, its memory chart, how to rerun."""
+    if job.suite == "bench":
+        return _bench_summary(job, reports)
     from ci.charts import memory_charts_markdown
 
     md = reports / "kit-report.md"
@@ -262,6 +328,20 @@ def summary_markdown(job: Job, reports: Path) -> str:
     return "\n".join(parts)
 
 
+def _bench_summary(job: Job, reports: Path) -> str:
+    """A benchmark row's summary: the ratio table `python -m ci bench` wrote, and where the runs are."""
+    md = reports / Path(BENCH_MARKDOWN).name
+    table = (
+        md.read_text()
+        if md.is_file()
+        else f"## Benchmarks\n\nNo ratio table: the run stopped before {md.name}.\n"
+    )
+    return (
+        f"{table}\nThe runs (pytest-benchmark JSON): the `kit-reports-{job.name}` artifact, "
+        f"{job.history or 'reports/benchmarks'}/.\n"
+    )
+
+
 def run_job(name: str, *, dry_run: bool = False) -> int:
     """Run job `name` as the workflow does and return its exit code (2 for an unknown name).
 
@@ -278,16 +358,16 @@ def run_job(name: str, *, dry_run: bool = False) -> int:
     if dry_run:
         return 0
     (reports / "nccl").mkdir(parents=True, exist_ok=True)
-    for stale in ("kit-report.json", "kit-report.md"):
+    for stale in ("kit-report.json", "kit-report.md", Path(BENCH_MARKDOWN).name):
         (reports / stale).unlink(missing_ok=True)  # a previous run's report is not this run's
     from ci.child import run_child  # SIGTERM/SIGINT reach pytest, and the summary is still written
 
     returncode = run_child(job.command(), cwd=ROOT, env={**os.environ, **job.environment(reports)})
-    from ci.charts import write_png
+    if job.suite == "tests":
+        from ci.charts import write_png
 
-    print(
-        f"ci job {job.name}: {write_png(reports / 'kit-report.json', reports / 'kit-memory.png')}", flush=True
-    )
+        png = write_png(reports / "kit-report.json", reports / "kit-memory.png")
+        print(f"ci job {job.name}: {png}", flush=True)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         append_summary(job, reports, Path(summary))

@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", metavar="DIR", default=str(ROOT), help="the project to test (default: this one)")
     p.add_argument("--limit-method", choices=("auto", *METHODS), default="auto", help="how to cap the run")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+    p.add_argument(
+        "--hypothesis-seed",
+        type=int,
+        metavar="N",
+        help="hypothesis's seed (default: the one the report's run recorded, if any)",
+    )
     p.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
     return p
 
@@ -166,6 +172,8 @@ def _choose_job(name: str | None, ci_job: str | None, tier: str | None, gpus: in
         if name not in JOBS:
             raise UsageError(f"--job: unknown job {name!r}: expected one of {', '.join(JOBS)}")
         job = JOBS[name]
+        if job.suite != "tests":
+            raise UsageError(f"--job {name} runs the benchmarks, not tests: python -m ci bench")
         if tier is not None and tier != job.tier:
             raise UsageError(f"--job {name} runs tier {job.tier}, not {tier}")
         return job
@@ -193,6 +201,18 @@ def collected_ids(root: Path, nodeids: list[str], variables: dict[str, str]) -> 
     if out.returncode not in (0, 5):
         return None
     return {line.strip() for line in out.stdout.splitlines() if "::" in line}
+
+
+def recorded_seed(session: dict[str, Any]) -> int | None:
+    """The ``--hypothesis-seed`` among a report's recorded pytest arguments (the nightly exploring row's)."""
+    args = [str(a) for a in session.get("pytest_args") or []]
+    for i, arg in enumerate(args):
+        value = arg.partition("=")[2] if arg.startswith("--hypothesis-seed=") else None
+        if arg == "--hypothesis-seed" and i + 1 < len(args):
+            value = args[i + 1]
+        if value is not None and value.lstrip("-").isdigit():
+            return int(value)
+    return None
 
 
 @dataclass
@@ -257,12 +277,14 @@ def plan(args: argparse.Namespace) -> Plan | None:
     """The run the arguments ask for; None when a report has no failures (nothing to rerun)."""
     root = _check_arguments(args)
     tier, gpus = args.tier, args.gpus
+    seed: int | None = args.hypothesis_seed
     ci = _read_ci_report(args.from_report) if args.from_report else None
     if ci is not None:
         if not ci.failed:
             return None
         tier = tier or ci.tier
         gpus = _gpus_of(ci.session) if gpus is None else gpus
+        seed = recorded_seed(ci.session) if seed is None else seed
     job = _choose_job(args.job, ci.ci_job if ci else None, tier, gpus)
     gpus = job.gpus if gpus is None else gpus
     reports = Path(args.reports).resolve() if args.reports else root / "reports" / "repro"
@@ -271,6 +293,9 @@ def plan(args: argparse.Namespace) -> Plan | None:
     command = [sys.executable, "-m", "pytest", *pytest_args(job, reports)]
     if args.keyword:
         command += ["-k", args.keyword]
+    if seed is not None:
+        # An exploring row's failure: the same seed draws the same examples (run after run).
+        command.append(f"--hypothesis-seed={seed}")
     p = Plan(
         job=job,
         gpus=gpus,

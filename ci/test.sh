@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The README's two commands: `bash ci/test.sh L0` runs the L0 kit as CI does (with its report in
 # reports/), `bash ci/test.sh all` runs every test. Extra arguments go to pytest.
+# `bash ci/test.sh bench [args]` runs the benchmarks instead (`python -m ci bench [args]`, the
+# nightly bench row). With HYPOTHESIS_PROFILE=explore (the nightly properties row) the run draws a
+# fresh hypothesis seed unless the arguments give --hypothesis-seed: it is printed and passed to
+# pytest as --hypothesis-seed=N, so the report's session pytest_args record it for `ci repro`.
 # The megatron-core release is KIT_MEGATRON_CORE (ci/setup.sh; default the newest). `all` then runs
 # the L0 megatron-dependent tests (MCORE_MATRIX_TESTS: the compat layer, the FLOPs tests that read
 # megatron-core configs, and the four functional megatron tests) again on each release in KIT_MEGATRON_MATRIX (default 0.16.1, the oldest
@@ -12,8 +16,8 @@ shift || true
 py=$(bash ci/setup.sh)
 case "$tier" in
   L0|L1|L2) select=(-m "$tier") ;;
-  all) select=() ;;
-  *) echo "ci/test.sh: unknown tier '$tier' (expected L0, L1, L2 or all)" >&2; exit 2 ;;
+  all|bench) select=() ;;
+  *) echo "ci/test.sh: unknown tier '$tier' (expected L0, L1, L2, all or bench)" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1
 # Declared skips (megatron_testkit/skips.py): on a machine without a GPU, the CPU rows' set, so a
@@ -23,8 +27,18 @@ if [ -z "${KIT_ALLOWED_SKIPS+set}" ] && ! { command -v nvidia-smi >/dev/null 2>&
   KIT_ALLOWED_SKIPS=$("$py" -c 'from ci.jobs import CPU_ALLOWED_SKIPS; print(",".join(CPU_ALLOWED_SKIPS))')
   export KIT_ALLOWED_SKIPS
 fi
+if [ "$tier" = "bench" ]; then
+  exec "$py" -m ci bench "$@"
+fi
+# An exploring run's seed: drawn here, printed, and given to pytest (recorded in the report).
+seed=()
+if [ "${HYPOTHESIS_PROFILE:-}" = "explore" ] && ! printf '%s\n' "$@" | grep -q -- '^--hypothesis-seed'; then
+  drawn=$("$py" -c 'import secrets; print(secrets.randbits(32))')
+  echo "ci/test.sh: hypothesis profile explore, seed $drawn (a failure reruns with: python -m ci repro --from-report reports/kit-report.json, which passes --hypothesis-seed=$drawn)" >&2
+  seed=("--hypothesis-seed=$drawn")
+fi
 set +e
-"$py" -m pytest "${select[@]}" --kit-report=reports --junitxml=reports/junit.xml "$@"
+"$py" -m pytest "${select[@]}" --kit-report=reports --junitxml=reports/junit.xml "$@" "${seed[@]}"
 rc=$?
 set -e
 if [ "$rc" -eq 0 ] && [ -f reports/kit-report.json ]; then
@@ -53,7 +67,7 @@ if [ "$tier" = "all" ] && [ "$rc" -eq 0 ] && [ "${KIT_SYSTEM_PYTHON:-0}" != "1" 
       matrix_env=("KIT_ALLOWED_SKIPS=${KIT_ALLOWED_SKIPS:+$KIT_ALLOWED_SKIPS,}$older")
     fi
     set +e
-    env "${matrix_env[@]}" "$mpy" -m pytest -m L0 "${MCORE_MATRIX_TESTS[@]}" --kit-report="$out" --junitxml="$out/junit.xml" "$@"
+    env "${matrix_env[@]}" "$mpy" -m pytest -m L0 "${MCORE_MATRIX_TESTS[@]}" --kit-report="$out" --junitxml="$out/junit.xml" "$@" "${seed[@]}"
     rc=$?
     set -e
     if [ "$rc" -eq 0 ]; then "$mpy" -m megatron_testkit.session_check "$out/kit-report.json" || rc=1; fi

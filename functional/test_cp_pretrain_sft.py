@@ -100,6 +100,9 @@ def cp_scenario_worker(rank: int, world_size: int, s: Scenario, root: str) -> di
     with cpu_shim():
         data = _data(s)
         parallel = ParallelConfig(cp=s.cp)
+        # The throughput clock is anchored when the Trainer is built (and again by a load): this
+        # reading comes before that anchor, for the first interval's bounds (`interval_bounds`).
+        out["pretrain_before_anchor_s"] = time.perf_counter()
         pre = Trainer(
             s.model, parallel, TrainConfig(lr=s.pretrain_lr, tensorboard_dir=str(root_path / "tb_pretrain"))
         )
@@ -112,7 +115,7 @@ def cp_scenario_worker(rank: int, world_size: int, s: Scenario, root: str) -> di
         except FileNotFoundError as exc:
             out["refusal"] = str(exc)
         t0 = time.perf_counter()
-        out["pretrain"] = [dataclasses.asdict(pre.train_step(mbs)) for mbs in data["pretrain_steps"]]
+        out["pretrain"], out["pretrain_calls_s"] = _timed_steps(pre, data["pretrain_steps"])
         out["pretrain_wall_s"] = time.perf_counter() - t0
         out["pretrain_total_flops"] = pre.flops.total_flops
         pre.save(root_path / "pretrain")
@@ -124,10 +127,11 @@ def cp_scenario_worker(rank: int, world_size: int, s: Scenario, root: str) -> di
         pre.close()
 
         sft = Trainer(s.model, parallel, TrainConfig(lr=s.sft_lr, tensorboard_dir=str(root_path / "tb_sft")))
+        out["sft_before_anchor_s"] = time.perf_counter()  # the load below re-anchors the clock
         out["sft_loaded_iteration"] = sft.load(root_path / "pretrain", finetune=True)
         out["sft_before"] = sft.forward_loss(data["sft"])
         t0 = time.perf_counter()
-        out["sft"] = [dataclasses.asdict(sft.train_step(data["sft"])) for _ in range(s.sft_steps)]
+        out["sft"], out["sft_calls_s"] = _timed_steps(sft, [data["sft"]] * s.sft_steps)
         out["sft_wall_s"] = time.perf_counter() - t0
         out["sft_after"] = sft.forward_loss(data["sft"])
         out["sft_total_flops"] = sft.flops.total_flops
@@ -148,6 +152,17 @@ def cp_scenario_worker(rank: int, world_size: int, s: Scenario, root: str) -> di
     return out
 
 
+def _timed_steps(trainer: Any, steps: list[list]) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
+    """`train_step` on each step's micro batches: the results, and the clock just before and after each call."""
+    results, calls = [], []
+    for microbatches in steps:
+        before = time.perf_counter()
+        result = trainer.train_step(microbatches)
+        calls.append((before, time.perf_counter()))
+        results.append(dataclasses.asdict(result))
+    return results, calls
+
+
 def cp1_reference_worker(rank: int, world_size: int, s: Scenario, root: str) -> dict[str, Any]:
     """CP=1 on one rank: load the CP=2 pretrain checkpoint, loss and gradients of the probe batch."""
     from fixtures.megatron import cpu_shim, destroy_model_parallel
@@ -166,6 +181,30 @@ def cp1_reference_worker(rank: int, world_size: int, s: Scenario, root: str) -> 
 
 
 # ------------------------------------------------------------------------- independent oracles
+
+
+def interval_bounds(rank: dict[str, Any], phase: str) -> list[tuple[float, float]]:
+    """Per logged step, the shortest and longest interval its throughput can have covered.
+
+    Derived from where the harness reads its clock (`Trainer.step` times `step()` alone as
+    `elapsed_s`; `log`, inside `train_step` after `step()`, closes the interval and anchors the
+    next; building the Trainer or a load anchors the first) and from the worker's readings just
+    before and after each `train_step` call (`_timed_steps`) and before the first anchor:
+    the interval ends in [call start + elapsed_s, call end] and begins in
+    [before the first anchor, first call start] for step 1, else in
+    [previous call start + its elapsed_s, previous call end]. Same process, one monotonic clock.
+    """
+    calls, results = rank[f"{phase}_calls_s"], rank[phase]
+    out = []
+    for i, ((start, end), res) in enumerate(zip(calls, results, strict=True)):
+        if i == 0:
+            anchor_low, anchor_high = rank[f"{phase}_before_anchor_s"], start
+        else:
+            (prev_start, prev_end), prev = calls[i - 1], results[i - 1]
+            anchor_low, anchor_high = prev_start + prev["elapsed_s"], prev_end
+        # At least the step itself: `max` only drops the rounding of the differences above.
+        out.append((max(start + res["elapsed_s"] - anchor_high, res["elapsed_s"]), end - anchor_low))
+    return out
 
 
 def expected_step_flops(m: ModelConfig, packs: list) -> int:
@@ -468,11 +507,28 @@ def test_tensorboard_throughput_is_each_steps_interval_tflops(cp_run: CPRun, pha
     tput = read_scalars(cp_run.root / f"tb_{phase}")["throughput/tflops_per_gpu"]
     results = cp_run.ranks[0][phase]
     assert [step for step, _ in tput] == list(range(1, steps + 1))
-    for (_, logged), res in zip(tput, results, strict=True):
+    bounds = interval_bounds(cp_run.ranks[0], phase)
+    for (step, logged), res, (low, high) in zip(tput, results, bounds, strict=True):
         assert logged > 0 and math.isclose(logged, res["tflops_per_gpu"], rel_tol=1e-6)
         # The interval those TFLOP/s imply: this step's FLOPs / (TFLOP/s x 1e12 x 2 GPUs).
         implied_s = res["step_flops"] / (logged * 1e12 * 2)
         assert 0 < implied_s < cp_run.ranks[0][f"{phase}_wall_s"] + 60, implied_s
+        # Held to the step measured in the same run: at least the step itself (the harness's own
+        # `elapsed_s`), at most what the clock readings around it allow (`interval_bounds`).
+        # Slack: TensorBoard stores the TFLOP/s as float32, a relative rounding of at most 2**-24
+        # (6e-8); the float64 arithmetic adds ~1e-16 per operation, and differences of clock
+        # readings (~1e4 s, ulp 2e-12 s) ~1e-11 of a step of 0.1 s or more. 2**-23 covers the sum.
+        # A figure off by 2x (a wrong GPU count) or 10x falls outside once a step outlasts its
+        # logging overhead (printed: the bounds' spread).
+        slack = 2.0**-23
+        assert low * (1 - slack) <= implied_s <= high * (1 + slack), (
+            f"{phase} step {step}: TFLOP/s imply {implied_s:.4g} s, the run measured "
+            f"[{low:.4g}, {high:.4g}] s (step {res['elapsed_s']:.4g} s)"
+        )
+        print(
+            f"{phase} step {step}: implied {implied_s:.4g} s, step {res['elapsed_s']:.4g} s, "
+            f"bounds [{low:.4g}, {high:.4g}] s (x{high / low:.3g} apart)"
+        )
 
 
 @pytest.mark.parametrize("phase", PHASES)

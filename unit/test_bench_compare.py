@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,95 @@ def test_python_m_ci_bench_runs_saves_prints_figures_and_fails_on_a_regression(t
     assert key in bench_compare.ratios(run)
     assert f"{key}      0.000" in result.stdout and "regressed" in result.stdout
     assert "noop_run_ranks: startup_median_s=" in result.stdout  # the figures a person reads
+
+
+@pytest.mark.L0
+def test_history_the_first_night_compares_nothing_and_a_later_regression_fails_with_a_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The nightly row's mode: each run lands in the history and is compared with the nights before it."""
+    history, md = tmp_path / "history", tmp_path / "bench-report.md"
+    first = _run(
+        history / "1.json", "2026-01-01", {("g", "ours", "subject"): 1.0, ("g", "loop", "baseline"): 4.0}
+    )
+    # The first night: nothing earlier, so nothing to compare (where --compare would be an error).
+    assert main(["bench", "--run", str(first), "--history", str(history), "--markdown", str(md)]) == 0
+    assert "no baseline run to compare with" in capsys.readouterr().out
+    assert "| g: ours / loop | - | 0.250 | - | new |" in md.read_text()
+    # Everything 1.2x slower on a busier runner, ours 1.4x: the ratio grew 17%, within the 25% threshold.
+    same = _run(
+        history / "2.json", "2026-01-02", {("g", "ours", "subject"): 1.4, ("g", "loop", "baseline"): 4.8}
+    )
+    assert main(["bench", "--run", str(same), "--history", str(history), "--markdown", str(md)]) == 0
+    # A 3x slowdown of ours against the same loop: fails, the table says by how much.
+    slow = _run(
+        history / "3.json", "2026-01-03", {("g", "ours", "subject"): 4.5, ("g", "loop", "baseline"): 4.8}
+    )
+    assert main(["bench", "--run", str(slow), "--history", str(history), "--markdown", str(md)]) == 1
+    out = capsys.readouterr().out
+    assert "regressed" in out and "1 ratio(s) grew by more than 25%" in out
+    table = md.read_text()
+    assert "| g: ours / loop | 0.292 | 0.938 | +221% | regressed |" in table
+    assert "**1 ratio(s) grew by more than 25%**" in table and f"baseline: {same}" in table
+
+
+@pytest.mark.L0
+def test_history_keeps_the_newest_runs_and_refuses_a_second_baseline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    history = tmp_path / "history"
+    paths = [
+        _run(
+            history / f"{day:02d}.json",
+            f"2026-01-{day:02d}",
+            {("g", "a", "subject"): 1.0, ("g", "b", "baseline"): 2.0},
+        )
+        for day in range(1, bench_compare.HISTORY_KEEP + 3)
+    ]
+    assert main(["bench", "--run", str(paths[-1]), "--history", str(history)]) == 0
+    kept = sorted(p.name for p in history.iterdir())
+    assert kept == [p.name for p in paths[-bench_compare.HISTORY_KEEP :]], "the two oldest nights are gone"
+    capsys.readouterr()
+    assert (
+        main(["bench", "--run", str(paths[-1]), "--history", str(history), "--compare", str(paths[-2])]) == 2
+    )
+    assert "--compare and --history both name the baseline" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["bench", "--run", str(paths[-1]), "--history", str(tmp_path / "file")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+@pytest.mark.L1
+def test_the_nightly_rows_command_saves_into_the_history_and_fails_on_a_regression(tmp_path: Path) -> None:
+    """`ci/test.sh bench ...` as the bench-cpu row runs it, against a planted previous night."""
+    from ci.jobs import JOBS
+
+    project = tmp_path / "project"
+    (project / "ci").mkdir(parents=True)
+    shutil.copy(ROOT / "ci" / "test.sh", project / "ci" / "test.sh")
+    # Installing is not what is tested here: the setup step prints the interpreter to use.
+    (project / "ci" / "setup.sh").write_text(f"#!/usr/bin/env bash\necho {sys.executable}\n")
+    history, md = tmp_path / "history", tmp_path / "bench-report.md"
+    group = "launch-noop-2ranks"
+    planted = _run(
+        history / "last-night.json",
+        "2000-01-01",
+        {(group, "test_noop_run_ranks", "subject"): 1e-6, (group, "test_noop_torch_spawn", "baseline"): 1.0},
+    )
+    command = JOBS["bench-cpu"].command()
+    command[command.index("--history") + 1] = str(history)
+    command[command.index("--markdown") + 1] = str(md)
+    result = subprocess.run(
+        [*command, "-k", "noop"],
+        cwd=project,
+        env={**os.environ, "KIT_BENCH_LAUNCH_ROUNDS": "1", "PYTHONPATH": str(ROOT), "KIT_ALLOWED_SKIPS": ""},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    tonight = [path for path in history.iterdir() if path != planted]
+    assert len(tonight) == 1 and bench_compare.load(tonight[0])["benchmarks"], "the run lands in the history"
+    table = md.read_text()
+    assert f"| {group}: noop_run_ranks / noop_torch_spawn | 0.000 |" in table and "| regressed |" in table
+    assert f"baseline: {planted}" in table

@@ -8,6 +8,7 @@ benchmark's code, the harness on CPU, the pytest selection collected).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 
 from ci import gpu_check
 from ci.cli import main
+from ci.gpu_check import pytest_step
+from ci.gpu_check.summary import StepFailed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,6 +40,65 @@ def test_the_pytest_step_selects_l0_gpu_tests_and_requires_the_gpu(tmp_path):
     assert cmd[cmd.index("-m", 2) + 1] == "L0 and gpu"
     assert f"--kit-report={tmp_path / 'pytest'}" in cmd
     assert env["KIT_REQUIRE_GPUS"] == "1"  # a skipped GPU test is a failure here
+    # The GPU rows' declared skips, and the two-GPU tests this one GPU cannot run.
+    assert env["KIT_ALLOWED_SKIPS"] == "no-cuda,gpus"
+
+
+# Two tests of a tiny project, as a one-GPU machine sees two-GPU tests: both skip, or one runs.
+SKIPPING_TESTS = """
+import os
+
+import pytest
+
+
+def test_pair_a():
+    pytest.skip("needs gpus: needs 2 GPUs (marked gpu, world_size(2)); 1 visible")
+
+
+def test_pair_b():
+    if os.environ.get("ONE_RUNS") != "1":
+        pytest.skip("needs gpus: needs 2 GPUs (marked gpu, world_size(2)); 1 visible")
+"""
+
+
+def _junit(tmp_path: Path, one_runs: bool) -> Path:
+    """A real junit XML file written by pytest for SKIPPING_TESTS."""
+    (tmp_path / "test_pairs.py").write_text(SKIPPING_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    junit = tmp_path / f"junit-{one_runs}.xml"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            "test_pairs.py",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "ONE_RUNS": "1" if one_runs else "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return junit
+
+
+@pytest.mark.L0
+def test_a_run_whose_every_test_skipped_ran_nothing_and_fails_the_step(tmp_path):
+    counts = pytest_step.junit_counts(_junit(tmp_path, one_runs=False))
+    # JUnit's `tests` counts the skipped tests: read alone it says two tests ran.
+    assert (counts["tests"], counts["skipped"], counts["ran"]) == (2, 2, 0)
+    with pytest.raises(StepFailed, match=r"no 'L0 and gpu' test ran \(2 collected, 2 skipped\)"):
+        pytest_step.expect_some_ran(counts)
+    # Control: one of the two runs, and the step accepts it.
+    counts = pytest_step.junit_counts(_junit(tmp_path, one_runs=True))
+    assert (counts["tests"], counts["skipped"], counts["ran"]) == (2, 1, 1)
+    pytest_step.expect_some_ran(counts)
+    assert pytest_step.junit_counts(tmp_path / "absent.xml") == {}
 
 
 @pytest.mark.L0

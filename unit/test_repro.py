@@ -10,6 +10,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -468,6 +469,8 @@ def test_job_picks_a_row_by_name_and_the_report_names_its_row(
     [
         (["--job", "L9-cpu"], "--job: unknown job 'L9-cpu'"),
         (["L0", "--job", "L1-cpu"], "--job L1-cpu runs tier L1, not L0"),
+        (["--job", "bench-cpu"], "--job bench-cpu runs the benchmarks, not tests: python -m ci bench"),
+        (["--hypothesis-seed", "many"], "argument --hypothesis-seed: invalid int value: 'many'"),
     ],
 )
 def test_bad_job_choices_are_usage_errors(
@@ -476,6 +479,102 @@ def test_bad_job_choices_are_usage_errors(
     assert repro.main([*argv, "--dry-run"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and words in err and err.count("\n") == 1
+
+
+# ---- the nightly exploring row: its hypothesis seed -----------------------------------------------
+
+
+def _explore_report(path: Path, pytest_args: list[str]) -> Path:
+    """A report of the exploring row with one failed property, its recorded pytest arguments given."""
+    report = write_report(
+        path, [entry("unit/test_a.py::test_fine", "failed", world_size=None)], "L0 and hypothesis"
+    )
+    data = json.loads(report.read_text())
+    data["session"].update(ci_job="explore-cpu", pytest_args=pytest_args)
+    report.write_text(json.dumps(data))
+    return report
+
+
+def test_a_nightly_failure_reruns_with_the_seed_its_report_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    project = make_project(tmp_path / "project")
+    recorded = ["-m", "L0", "--kit-report=reports", "-m", "L0 and hypothesis", "--hypothesis-seed=3141592653"]
+    report = _explore_report(tmp_path / "kit-report.json", recorded)
+    out = dry_run(["--from-report", str(report), "--root", str(project)], capsys)
+    assert out[0].startswith("ci repro: job explore-cpu (tier L0")
+    env = next(line for line in out if line.startswith("ci repro: env "))
+    assert "HYPOTHESIS_PROFILE=explore" in env
+    command = shlex.split(out[-1].removeprefix("ci repro: "))
+    assert "--hypothesis-seed=3141592653" in command and command[-1] == "unit/test_a.py::test_fine"
+    assert command[command.index("L0 and hypothesis") - 1] == "-m", "the row's selection: its properties"
+    # Given on the command line, the seed wins over the report's; the separate-word form is read too.
+    out = dry_run(["--from-report", str(report), "--root", str(project), "--hypothesis-seed", "7"], capsys)
+    assert "--hypothesis-seed=7" in out[-1] and "3141592653" not in out[-1]
+    spaced = _explore_report(tmp_path / "spaced.json", ["--hypothesis-seed", "42"])
+    assert (
+        "--hypothesis-seed=42" in dry_run(["--from-report", str(spaced), "--root", str(project)], capsys)[-1]
+    )
+
+
+def test_a_report_without_a_seed_adds_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The PR rows run derandomised: their reports record no seed, and the rerun passes none."""
+    project = make_project(tmp_path / "project")
+    report = write_report(tmp_path / "kit-report.json", [oom_entry("functional/test_b.py::test_big[2-gloo]")])
+    out = dry_run(["--from-report", str(report), "--root", str(project)], capsys)
+    assert "--hypothesis-seed" not in out[-1]
+    assert repro.recorded_seed({"pytest_args": ["--hypothesis-seed=x", "-k", "seed"]}) is None
+    assert repro.recorded_seed({}) is None
+
+
+SEED_PROJECT_TEST = """
+import os
+
+from hypothesis import given, strategies as st
+
+
+@given(st.integers(0, 2**40))
+def test_draws(x):
+    with open(os.environ["DRAWS"], "a") as f:
+        f.write(f"{x}\\n")
+"""
+
+
+def _draws(project: Path, profile: str, *seed: str) -> list[str]:
+    """The examples `test_draws` saw in one pytest run under this repository's conftest.py."""
+    draws = project / f"draws-{profile}-{'-'.join(seed) or 'none'}-{time.monotonic_ns()}.txt"
+    env = {
+        **os.environ,
+        "HYPOTHESIS_PROFILE": profile,
+        "KIT_HYPOTHESIS_MAX_EXAMPLES": "25",
+        "DRAWS": str(draws),
+    }
+    env.pop("KIT_ALLOWED_SKIPS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *seed, "test_seed.py"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return draws.read_text().splitlines()
+
+
+def test_the_explore_profile_draws_what_its_seed_says_and_the_ci_profile_ignores_seeds(
+    tmp_path: Path,
+) -> None:
+    """Real hypothesis runs under the repository's conftest.py (its profiles), in a tiny project."""
+    project = make_project(tmp_path / "project", {"test_seed.py": SEED_PROJECT_TEST})
+    shutil.copy(ROOT / "conftest.py", project / "conftest.py")
+    first = _draws(project, "explore", "--hypothesis-seed=11")
+    assert len(first) == 25, "KIT_HYPOTHESIS_MAX_EXAMPLES sets the explore profile's count"
+    assert _draws(project, "explore", "--hypothesis-seed=11") == first, "a seed replays its examples"
+    assert _draws(project, "explore", "--hypothesis-seed=12") != first, "another seed explores others"
+    # The PR rows' profile: derandomised, the same examples whatever the seed, 60 of them.
+    ci = _draws(project, "ci", "--hypothesis-seed=11")
+    assert ci == _draws(project, "ci", "--hypothesis-seed=12") and len(ci) == 60
 
 
 # ---- the runner's memory limit: on the ranks, not on pytest --------------------------------------

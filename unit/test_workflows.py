@@ -251,6 +251,7 @@ def test_callers_agree_with_their_rows() -> None:
             row.python or inputs["python-version"]["default"]
         ), where
         assert given.get("lint", False) is row.lint, where
+        assert given.get("history", "") == (row.history or ""), where
         assert row.megatron_core in job["name"], f"{where}: the job's name says its megatron-core release"
 
 
@@ -342,7 +343,7 @@ def test_l2_runs_nightly_and_on_manual_dispatch() -> None:
     doc = load(WORKFLOWS / "nightly.yml")
     assert set(doc["on"]) == {"schedule", "workflow_dispatch"}
     assert len(doc["on"]["schedule"][0]["cron"].split()) == 5
-    assert sorted(doc["jobs"]) == ["L2-cpu", "L2-gpu"]
+    assert sorted(doc["jobs"]) == ["L2-cpu", "L2-gpu", "bench-cpu", "explore-cpu"]
 
 
 def test_self_hosted_jobs_never_run_pull_requests_from_forks() -> None:
@@ -389,7 +390,9 @@ def test_cpu_rows_use_gloo_python_312_and_the_runners_memory() -> None:
         assert env["CUDA_VISIBLE_DEVICES"] == ""
         assert env["KIT_HOST_MEMORY"] == row.host_memory == "7GB"
         assert "KIT_REQUIRE_GPUS" not in env
-        if row.megatron_core == MEGATRON_NEWEST or row.tier == "L0":
+        if row.name == "explore-cpu":  # the properties only (tested below)
+            assert row.select == "L0 and hypothesis"
+        elif row.megatron_core == MEGATRON_NEWEST or row.tier == "L0":
             assert row.select == row.tier
         else:  # an older release also runs the L0 tests that import or branch on megatron-core
             assert row.select == f"L0 or {row.tier}"
@@ -461,6 +464,10 @@ def test_the_job_command_prints_what_it_runs() -> None:
     )
     assert "KIT_ALLOWED_SKIPS=cuda,gpus,te,cgroup " in result.stdout
     assert "KIT_ALLOWED_SKIPS=cuda,gpus,te,cgroup,megatron>=0.19 " in old.stdout.replace("'", "")
+    bench = _ci("job", "bench-cpu", "--dry-run")
+    assert "KIT_ALLOWED_SKIPS=cuda,gpus,te,cgroup " in bench.stdout and bench.stdout.rstrip().endswith(
+        "bash ci/test.sh bench --history reports/benchmarks --markdown reports/bench-report.md"
+    )
     gpu = _ci("job", "L0-gpu", "--dry-run")
     assert "KIT_REQUIRE_GPUS=2" in gpu.stdout and gpu.stdout.rstrip().endswith(
         "-m 'L0 and gpu' -p no:randomly --durations=20"
@@ -612,3 +619,117 @@ def test_the_job_summary_is_written_by_the_job_command_only(tmp_path: Path) -> N
     )
     assert result.returncode == 0
     assert not (tmp_path / "summary.md").exists(), "a dry run runs nothing and writes no summary"
+
+
+# --- the nightly extras: properties exploring, benchmarks against the previous night ---------------
+
+
+def test_the_nightly_rows_explore_the_properties_and_run_the_benchmarks() -> None:
+    from ci.jobs import BENCH_HISTORY, job_for
+
+    nightly = {row_of(job).name for name, job in callers().values() if name == "nightly.yml"}
+    assert {"explore-cpu", "bench-cpu"} <= nightly, "both run on the schedule, never on a pull request"
+    explore, bench = JOBS["explore-cpu"], JOBS["bench-cpu"]
+    # Only the exploring row leaves the derandomised profile; the PR rows replay their examples.
+    profiles = {row.name: row.environment(Path("reports"))["HYPOTHESIS_PROFILE"] for row in JOBS.values()}
+    assert {name for name, profile in profiles.items() if profile != "ci"} == {"explore-cpu"}
+    assert profiles["explore-cpu"] == "explore"
+    assert explore.command() == [
+        "bash", "ci/test.sh", "L0", "-m", "L0 and hypothesis", "-p", "no:randomly", "--durations=20",
+    ]  # fmt: skip
+    # The benchmark row: `python -m ci bench` through ci/test.sh, its runs kept from night to night.
+    assert (bench.suite, bench.history, bench.history == BENCH_HISTORY) == (
+        "bench",
+        "reports/benchmarks",
+        True,
+    )
+    assert bench.command() == [
+        "bash", "ci/test.sh", "bench", "--history", "reports/benchmarks", "--markdown", "reports/bench-report.md",
+    ]  # fmt: skip
+    assert [row.name for row in JOBS.values() if row.history] == ["bench-cpu"]
+    with pytest.raises(ValueError, match="suite 'benchmarks' is not one of tests, bench"):
+        Job(name="x", tier="L2", runs_on=("ubuntu-latest",), timeout_minutes=1, suite="benchmarks")
+    # `repro L0` / `repro L2` still emulate the tier rows, never the nightly extras.
+    assert (job_for("L0", 0).name, job_for("L2", 0).name) == ("L0-cpu", "L2-cpu")
+
+
+def test_the_history_is_restored_before_the_run_and_saved_by_the_cache_only_on_success() -> None:
+    jobs = load(WORKFLOWS / REUSABLE)["jobs"]
+    steps = jobs["runner"]["steps"]
+    caches = [(i, s) for i, s in enumerate(steps) if s.get("uses", "").startswith("actions/cache@")]
+    assert len(caches) == 1
+    index, cache = caches[0]
+    assert cache["if"] == "inputs.history != ''"
+    assert cache["with"]["path"] == "${{ inputs.history }}"
+    # A fresh key per run (a cache entry is immutable), restored from the newest of the same row.
+    assert (
+        cache["with"]["key"].startswith("history-${{ inputs.job }}-")
+        and "github.run_id" in cache["with"]["key"]
+    )
+    assert cache["with"]["restore-keys"] == "history-${{ inputs.job }}-"
+    assert "save-always" not in cache["with"], "a regressed (red) night must not become the baseline"
+    runs = [s.get("run") for s in steps]
+    assert index < runs.index('python3 -m ci job "${{ inputs.job }}"')
+    assert not [s for s in jobs["gpu"]["steps"] if "inputs.history" in str(s)], "no GPU row keeps a history"
+
+
+def test_a_bench_rows_summary_is_its_ratio_table(tmp_path: Path) -> None:
+    reports, summary = tmp_path / "reports", tmp_path / "summary.md"
+    reports.mkdir()
+    append_summary(JOBS["bench-cpu"], reports, summary)
+    assert "No ratio table: the run stopped before bench-report.md" in summary.read_text()
+    (reports / "bench-report.md").write_text(
+        "## Benchmarks\n\n| g: a / b | 0.250 | 0.400 | +60% | regressed |\n"
+    )
+    summary.write_text("")
+    append_summary(JOBS["bench-cpu"], reports, summary)
+    text = summary.read_text()
+    assert text.count("| g: a / b | 0.250 | 0.400 | +60% | regressed |") == 1
+    assert "kit-reports-bench-cpu" in text and "Kit report" not in text and "repro" not in text
+
+
+def _test_sh(
+    tmp_path: Path, env: dict[str, str], *args: str
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """ci/test.sh itself in a tiny project (one property): its setup step only names this interpreter."""
+    project = tmp_path / "project"
+    if not project.exists():
+        (project / "ci").mkdir(parents=True)
+        shutil.copy(ROOT / "ci" / "test.sh", project / "ci" / "test.sh")
+        # Installing is not what is tested here: the setup step prints the interpreter to use.
+        (project / "ci" / "setup.sh").write_text(f"#!/usr/bin/env bash\necho {sys.executable}\n")
+        shutil.copy(ROOT / "conftest.py", project / "conftest.py")
+        (project / "test_property.py").write_text(
+            "import pytest\nfrom hypothesis import given, strategies as st\n\npytestmark = pytest.mark.L0\n\n\n"
+            "@given(st.integers())\ndef test_p(x):\n    assert isinstance(x, int)\n"
+        )
+    full = {**os.environ, "KIT_ALLOWED_SKIPS": "", "KIT_HYPOTHESIS_MAX_EXAMPLES": "5", **env}
+    result = subprocess.run(
+        ["bash", "ci/test.sh", "L0", "-p", "no:randomly", *args],
+        cwd=project,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    session = json.loads((project / "reports" / "kit-report.json").read_text())["session"]
+    return result, session["pytest_args"]
+
+
+def test_ci_test_sh_draws_prints_and_records_a_seed_when_exploring(tmp_path: Path) -> None:
+    from ci.repro import recorded_seed
+
+    result, args = _test_sh(tmp_path, {"HYPOTHESIS_PROFILE": "explore"})
+    drawn = re.search(r"ci/test\.sh: hypothesis profile explore, seed (\d+) ", result.stderr)
+    assert drawn, result.stderr[-2000:]
+    seed = int(drawn.group(1))
+    assert f"--hypothesis-seed={seed}" in args, "the report records it for `python -m ci repro`"
+    assert recorded_seed({"pytest_args": args}) == seed
+    # A seed given is kept, not replaced; the PR rows' profile draws none.
+    result, args = _test_sh(tmp_path, {"HYPOTHESIS_PROFILE": "explore"}, "--hypothesis-seed=5")
+    assert "seed" not in result.stderr and [a for a in args if "hypothesis-seed" in a] == [
+        "--hypothesis-seed=5"
+    ]
+    result, args = _test_sh(tmp_path, {"HYPOTHESIS_PROFILE": "ci"})
+    assert "seed" not in result.stderr and not [a for a in args if "hypothesis-seed" in a]

@@ -1,6 +1,10 @@
 """Step ``pytest``: ``pytest -m "L0 and gpu"`` with ``KIT_REQUIRE_GPUS=1``; report and junit XML in OUTDIR/pytest/.
 
-A GPU test that skips for want of a GPU fails here. The dry run collects the selection only.
+A GPU test that skips for want of a GPU fails here, and so does any skip the GPU rows do not
+declare (``KIT_ALLOWED_SKIPS``: the GPU rows' CPU-path checks, and, on this one-GPU machine,
+``gpus``: the tests that need two GPUs skip by design, as ``KIT_REQUIRE_GPUS=1`` says). At least one test
+must have run: JUnit's ``tests`` counts skipped tests too, so the step counts the test cases that
+were not skipped. The dry run collects the selection only.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ci.gpu_check.summary import StepFailed, expect
+from ci.jobs import ALLOWED_SKIPS_ENV, GPU_ALLOWED_SKIPS
 
 if TYPE_CHECKING:
     from ci.gpu_check.check import Check
 
 ROOT = Path(__file__).resolve().parents[2]
+# What this one-GPU check may skip: what the GPU rows may, plus the tests needing more GPUs than one.
+ALLOWED_SKIPS = (*GPU_ALLOWED_SKIPS, "gpus")
 
 
 def pytest_command(out: Path) -> tuple[list[str], dict[str, str]]:
@@ -35,7 +42,13 @@ def pytest_command(out: Path) -> tuple[list[str], dict[str, str]]:
         f"--kit-report={report}",
         f"--junitxml={report}/junit.xml",
     ]
-    env = {"KIT_REQUIRE_GPUS": "1", "CI": "true", "HYPOTHESIS_PROFILE": "ci", "PYTHONUNBUFFERED": "1"}
+    env = {
+        "KIT_REQUIRE_GPUS": "1",
+        ALLOWED_SKIPS_ENV: ",".join(ALLOWED_SKIPS),
+        "CI": "true",
+        "HYPOTHESIS_PROFILE": "ci",
+        "PYTHONUNBUFFERED": "1",
+    }
     return cmd, env
 
 
@@ -65,12 +78,24 @@ def step(check: Check) -> dict[str, Any]:
         return figures
     figures.update(junit_counts(check.out / "pytest" / "junit.xml"))
     expect(proc.returncode == 0, f"pytest -m 'L0 and gpu' exited {proc.returncode}: {tail[0]}")
-    expect(figures.get("tests", 0) > 0, "no 'L0 and gpu' test ran")
+    expect_some_ran(figures)
     return figures
 
 
+def expect_some_ran(counts: dict[str, int]) -> None:
+    """Fail the step unless at least one test ran (skipped ones do not count)."""
+    expect(
+        counts.get("ran", 0) > 0,
+        f"no 'L0 and gpu' test ran ({counts.get('tests', 0)} collected, {counts.get('skipped', 0)} skipped)",
+    )
+
+
 def junit_counts(path: Path) -> dict[str, int]:
-    """tests/failures/errors/skipped of a junit XML file ({} when it is missing or unreadable)."""
+    """tests/failures/errors/skipped of a junit XML file, and `ran`: the test cases not skipped.
+
+    {} when the file is missing or unreadable. The suite's `tests` includes skipped tests, so
+    `ran` counts the `<testcase>` elements without a `<skipped>` child instead.
+    """
     import xml.etree.ElementTree as ET
 
     try:
@@ -80,4 +105,6 @@ def junit_counts(path: Path) -> dict[str, int]:
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     if suite is None:
         return {}
-    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts["ran"] = sum(1 for case in suite.iter("testcase") if case.find("skipped") is None)
+    return counts
