@@ -40,6 +40,7 @@ import torch
 
 from fixtures.oracles import reference_stats  # numpy float64, independent of the inspector
 from fixtures.tensorboard import read_scalars
+from megatron_testkit.metrics import EXACT, MetricsRecorder, at_most, relative
 from megatron_testkit.ranks import run_ranks
 
 LAYERS = r".*(fc1|fc2)"
@@ -191,11 +192,12 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str, bf16: bool | None 
         te = inspector.backend == "te"
         references: list[dict] = []
         with_inspector: dict[int, float] = {}
+        losses: list[float] = []
         for step in range(1, STEPS + 1):
             capture = IndependentCapture(trainer.model[0], te_activation=te) if step % EVERY == 0 else None
             start = time.perf_counter()
             with inspector.step(step):
-                trainer.train_step([_batch(step, dp_rank, model_config.vocab_size)])
+                losses.append(trainer.train_step([_batch(step, dp_rank, model_config.vocab_size)]).loss)
             with_inspector[step] = time.perf_counter() - start
             if capture is not None:
                 capture.close()
@@ -244,6 +246,7 @@ def tensor_inspect_rank(rank: int, world_size: int, out: str, bf16: bool | None 
         "checkpoint": str(checkpoint),
         "peak_rss_bytes": peak,
         "hooks_left": inspector.hooks_attached,
+        "losses": losses,
     }
 
 
@@ -293,7 +296,9 @@ def _close_stat(stat: str, got: float, want: dict[str, float], te: bool) -> bool
         pytest.param(True, id="bf16-float16module", marks=pytest.mark.L1),
     ],
 )
-def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(tmp_path: Path, bf16: bool | None) -> None:
+def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(
+    tmp_path: Path, bf16: bool | None, kit_metrics: MetricsRecorder
+) -> None:
     results = run_ranks(tensor_inspect_rank, 2, args=(str(tmp_path), bf16))
     stats = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "nan_count", "inf_count")
     expected_layers = EXPECTED_LAYERS_BF16 if results[0]["bf16"] else EXPECTED_LAYERS
@@ -351,6 +356,36 @@ def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(tmp_path: Pat
         assert set(tb[f"inspect/{layer}/{tensor}/min"]) == {5, 10}
 
     _report_overhead(results)
+    _record_golden(kit_metrics, results, rank0)
+
+
+# Golden values (functional/golden/test_tensor_inspect/, docs/golden-values.md): the losses and
+# rank 0's l2 norms per layer, tensor and inspected step, the NaN/Inf counts (exact) and each
+# rank's peak. The tolerances are derived in docs/golden-values.md (two runs on one machine; the
+# CP=1-vs-CP=2 summation-order measurement; bf16's unit roundoff for the bf16 run).
+GOLDEN_RTOL = {False: 1e-4, True: 1e-4}
+GOLDEN_WHY = {False: "placeholder", True: "placeholder"}
+GOLDEN_PEAK_HEADROOM = 0.1
+GOLDEN_PEAK_WHY = "placeholder"
+
+
+def _record_golden(kit_metrics: MetricsRecorder, results: list[dict], rank0: dict[tuple, dict]) -> None:
+    bf16 = bool(results[0]["bf16"])
+    close = relative(GOLDEN_RTOL[bf16], GOLDEN_WHY[bf16])
+    for res in results:
+        assert len(res["losses"]) == STEPS
+        kit_metrics.record_steps(f"loss/rank{res['rank']}", res["losses"], close)
+        kit_metrics.record(
+            "peak_rss_bytes_per_rank",
+            f"rank{res['rank']}",
+            res["peak_rss_bytes"],
+            at_most(GOLDEN_PEAK_HEADROOM, GOLDEN_PEAK_WHY),
+        )
+    for (step, layer, tensor), rec in sorted(rank0.items()):
+        kit_metrics.record(f"{layer}/{tensor}/l2_norm", step, rec["l2_norm"], close)
+        for count in ("nan_count", "inf_count"):
+            if count in rec:
+                kit_metrics.record(f"{layer}/{tensor}/{count}", step, int(rec[count]), EXACT)
 
 
 def _report_overhead(results: list[dict]) -> None:

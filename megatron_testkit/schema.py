@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-REPORT_VERSION = 1
+from megatron_testkit.metrics import TestMetrics
+
+REPORT_VERSION = 2  # 2: TestEntry.metrics (recorded series)
+READ_VERSIONS = (1, 2)  # a version-1 report reads as one without metrics
 OUTCOMES = ("passed", "failed", "skipped", "error")
 
 
@@ -112,6 +115,7 @@ class TestEntry:
     launches: int = 0
     worker: str | None = None
     skip_capability: str | None = None  # what a skipped test declared it needs (megatron_testkit.skips)
+    metrics: TestMetrics | None = None  # recorded metric series and their platform (golden values)
 
     def to_json(self) -> dict[str, Any]:
         """The row as plain JSON types, in the report's field names."""
@@ -142,6 +146,7 @@ class TestEntry:
         values["outcome"] = str(data["outcome"])
         if not isinstance(values.get("skip_capability"), str):
             values["skip_capability"] = None
+        values["metrics"] = _metrics(data.get("metrics"), f"{where}.metrics")
         values["ranks"] = [
             RankPeak.from_json(r, f"{where}.ranks[{i}]")
             for i, r in enumerate(data.get("ranks") or [])
@@ -219,7 +224,7 @@ class Report:
     @classmethod
     def from_json(cls, data: Any) -> Report:
         """Parse a report; `SchemaError` says what is missing or of another version."""
-        if not isinstance(data, dict) or data.get("version") != REPORT_VERSION:
+        if not isinstance(data, dict) or data.get("version") not in READ_VERSIONS:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise SchemaError(f"not a version-{REPORT_VERSION} kit report (version: {found!r})")
         tests = data.get("tests")
@@ -231,6 +236,13 @@ class Report:
         return cls(
             session=session, tests=[TestEntry.from_json(t, f"tests[{i}]") for i, t in enumerate(tests)]
         )
+
+
+def _metrics(data: Any, where: str) -> TestMetrics | None:
+    try:
+        return TestMetrics.from_json(data, where) if data is not None else None
+    except ValueError as exc:
+        raise SchemaError(str(exc)) from None
 
 
 def _is_int(value: Any) -> bool:
