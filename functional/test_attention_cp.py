@@ -76,12 +76,10 @@ def _cu(lengths: list[int]) -> torch.Tensor:
 # each rank: per pack, the rank's token count under the load-balanced split (exact: a changed
 # split is a changed count) and the mean |output| over its tokens. Tolerance: every output element
 # is within 1e-10 of the float64 oracle (asserted below), so two correct runs' means differ by at
-# most 2e-10 absolute; the smallest mean |output| of these packs is ~0.27 (measured), so 2e-10 /
-# 0.27 ~ 7.4e-10 relative, rounded up to 1e-9. Only the summation order may differ between runs.
-GOLDEN_MEAN_RTOL = 1e-9
-GOLDEN_MEAN_WHY = (
-    "every element within 1e-10 of the float64 oracle; smallest mean |out| ~0.27: 2e-10/0.27 -> 1e-9"
-)
+# most 2e-10 absolute; the smallest mean |output| of these packs is 0.101 (measured: rank 1, pack
+# 12), so 2e-10 / 0.10 = 2e-9 relative bounds every pack. Only the summation order may differ.
+GOLDEN_MEAN_RTOL = 2e-9
+GOLDEN_MEAN_WHY = "every element within 1e-10 of the float64 oracle; smallest mean |out| 0.101: 2e-10/0.10"
 
 
 def cp_attention_worker(rank: int, world_size: int, cases: list) -> list[dict[str, float]]:

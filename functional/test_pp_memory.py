@@ -335,12 +335,19 @@ def test_every_rank_counts_each_micro_batch_once(run: PPRun) -> None:
 
 # ------------------------------------------------------------------------------- golden values
 # Compared with functional/golden/test_pp_memory/<test>.<platform>.json (docs/golden-values.md).
-# The loss tolerance and the peaks' headroom are derived in docs/golden-values.md from two runs
-# of this module on one machine and the CP=1-vs-CP=2 summation-order measurement.
-GOLDEN_LOSS_RTOL = 1e-4
-GOLDEN_LOSS_WHY = "placeholder"
-GOLDEN_PEAK_HEADROOM = 0.1
-GOLDEN_PEAK_WHY = "placeholder"
+# Loss (fp32 on CPU): runs on one machine are bit-identical (measured); another machine changes
+# the order of floating-point sums, which on this harness moved the CP run's losses by <= 1.8e-7
+# and grad norms by <= 6.8e-7 relative over 8 steps (test_cp_pretrain_sft.py, GOLDEN_LOSS_RTOL);
+# 1e-5 is the same ~15x margin. Step FLOPs and the stage holding each maximum are exact.
+GOLDEN_LOSS_RTOL = 1e-5
+GOLDEN_LOSS_WHY = (
+    "fp32 summation order moved this harness's losses <= 1.8e-7 relative (CP run); bit-identical reruns"
+)
+# Stage peaks (RSS): golden + 10%. Two runs on one machine: see docs/golden-values.md (<= 1% per
+# stage and step); 10% leaves room for another runner's thread pools and allocator and stays
+# under the 1 GiB budget (peaks ~0.6 GB), so a stage that grows is caught here first.
+GOLDEN_PEAK_HEADROOM = 0.10
+GOLDEN_PEAK_WHY = "run-to-run spread on one machine ~1%; 10% for another runner's threads and allocator"
 
 
 def test_stage_peaks_the_stage_holding_the_max_losses_and_flops_match_the_golden_values(

@@ -40,7 +40,7 @@ import torch
 
 from fixtures.oracles import reference_stats  # numpy float64, independent of the inspector
 from fixtures.tensorboard import read_scalars
-from megatron_testkit.metrics import EXACT, MetricsRecorder, at_most, relative
+from megatron_testkit.metrics import EXACT, Comparison, MetricsRecorder, at_most, relative
 from megatron_testkit.ranks import run_ranks
 
 LAYERS = r".*(fc1|fc2)"
@@ -361,17 +361,26 @@ def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(
 
 # Golden values (functional/golden/test_tensor_inspect/, docs/golden-values.md): the losses and
 # rank 0's l2 norms per layer, tensor and inspected step, the NaN/Inf counts (exact) and each
-# rank's peak. The tolerances are derived in docs/golden-values.md (two runs on one machine; the
-# CP=1-vs-CP=2 summation-order measurement; bf16's unit roundoff for the bf16 run).
-GOLDEN_RTOL = {False: 1e-4, True: 1e-4}
-GOLDEN_WHY = {False: "placeholder", True: "placeholder"}
-GOLDEN_PEAK_HEADROOM = 0.1
-GOLDEN_PEAK_WHY = "placeholder"
+# rank's peak. fp32: runs on one machine are bit-identical (measured); another machine changes
+# the order of floating-point sums, which on this harness moved losses by <= 1.8e-7 and grad norms
+# by <= 6.8e-7 relative over 8 steps (test_cp_pretrain_sft.py, GOLDEN_LOSS_RTOL): 1e-5. bf16: a
+# reordered fp32 accumulation can flip an element's bf16 rounding (2**-8 relative) and how that
+# propagates over 10 steps is not measured, so the bf16 run's float series are recorded and
+# diffed, not compared (its counters and peaks are).
+GOLDEN_FLOAT = {
+    False: relative(1e-5, "fp32 summation order moved this harness's losses <= 1.8e-7, grad norms <= 6.8e-7"),
+    True: Comparison(
+        "none", why="bf16: a reordered sum flips roundings of 2**-8; not measured, so not compared"
+    ),
+}
+# Peak RSS per rank: golden + 10% (two runs on one machine: see docs/golden-values.md), under HOST_BUDGET.
+GOLDEN_PEAK_HEADROOM = 0.10
+GOLDEN_PEAK_WHY = "run-to-run spread on one machine ~1%; 10% for another runner's threads and allocator"
 
 
 def _record_golden(kit_metrics: MetricsRecorder, results: list[dict], rank0: dict[tuple, dict]) -> None:
     bf16 = bool(results[0]["bf16"])
-    close = relative(GOLDEN_RTOL[bf16], GOLDEN_WHY[bf16])
+    close = GOLDEN_FLOAT[bf16]
     for res in results:
         assert len(res["losses"]) == STEPS
         kit_metrics.record_steps(f"loss/rank{res['rank']}", res["losses"], close)

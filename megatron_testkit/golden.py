@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit.metrics import MetricSeries, Number, TestMetrics
+from megatron_testkit.metrics import Comparison, MetricSeries, Number, TestMetrics
 
 GOLDEN_DIR = "golden"
 _COLUMNS = ("metric", "step", "golden", "got", "allowed")
@@ -72,14 +72,22 @@ def candidate_path(path: Path) -> Path:
     return path.with_suffix(".candidate.json")
 
 
+def applies(rule: Comparison, platform: str) -> bool:
+    """Whether ``rule`` compares anything on ``platform`` (throughput bounds: GPU platforms only)."""
+    return rule.kind != "none" and (rule.kind != "at_least" or is_gpu_platform(platform))
+
+
+def compared(metrics: TestMetrics) -> TestMetrics:
+    """``metrics`` less the series its platform does not compare (what a golden file holds)."""
+    kept = {n: s for n, s in metrics.series.items() if applies(s.compare, metrics.platform)}
+    return TestMetrics(metrics.platform, metrics.megatron_core, kept)
+
+
 def golden_json(nodeid: str, metrics: TestMetrics, torch_version: str | None = None) -> dict[str, Any]:
-    """A golden file's content: the test, what made it, and the series (comparison beside the values)."""
+    """A golden file's content: the test, what made it, and the compared series (rule beside values)."""
     made_with = {"megatron_core": metrics.megatron_core, "torch": torch_version}
-    return {"test": nodeid, "platform": metrics.platform, "made_with": made_with, **_series_json(metrics)}
-
-
-def _series_json(metrics: TestMetrics) -> dict[str, Any]:
-    return {"series": {name: s.to_json() for name, s in sorted(metrics.series.items())}}
+    series = {name: s.to_json() for name, s in sorted(compared(metrics).series.items())}
+    return {"test": nodeid, "platform": metrics.platform, "made_with": made_with, "series": series}
 
 
 def write_golden(path: Path, content: dict[str, Any]) -> None:
@@ -119,9 +127,11 @@ def _cell(value: Number | None) -> str:
 
 def compare(golden: TestMetrics, got: TestMetrics, *, platform: str) -> list[Mismatch]:
     """Every value of ``got`` outside its comparison against ``golden``, and every golden value
-    ``got`` lacks. The comparison is ``got``'s (the test states it); throughput lower bounds
-    (``at_least``) apply on GPU platforms only."""
+    ``got`` lacks. The comparison is ``got``'s (the test states it); series ``platform`` does not
+    compare (``none``; ``at_least`` off GPU platforms) are left out, as golden files leave them out."""
     out = []
+    got = compared(TestMetrics(platform, got.megatron_core, got.series))
+    golden = compared(TestMetrics(platform, golden.megatron_core, golden.series))
     for name in sorted(golden.series.keys() | got.series.keys()):
         want, have = golden.series.get(name), got.series.get(name)
         if have is None:
@@ -136,10 +146,8 @@ def compare(golden: TestMetrics, got: TestMetrics, *, platform: str) -> list[Mis
 
 def _compare_series(name: str, want: MetricSeries, have: MetricSeries, platform: str) -> list[Mismatch]:
     rule = have.compare
-    if rule.kind == "none" or (rule.kind == "at_least" and not is_gpu_platform(platform)):
-        return []
     out = []
-    for step in _sorted_steps(want.values.keys() | have.values.keys()):
+    for step in sorted_steps(want.values.keys() | have.values.keys()):
         g, v = want.values.get(step), have.values.get(step)
         if g is None or v is None:
             out.append(Mismatch(name, step, g, v, "a step present on one side only"))
@@ -148,7 +156,8 @@ def _compare_series(name: str, want: MetricSeries, have: MetricSeries, platform:
     return out
 
 
-def _sorted_steps(steps: Any) -> list[str]:
+def sorted_steps(steps: Any) -> list[str]:
+    """Steps in numeric order, then labels (``rank0``...) in text order."""
     return sorted(steps, key=lambda s: (0, int(s), "") if s.lstrip("-").isdigit() else (1, 0, s))
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from megatron_testkit import golden
-from megatron_testkit.metrics import TestMetrics
+from megatron_testkit.metrics import Comparison, Number, TestMetrics
 from megatron_testkit.schema import Report, SchemaError, TestEntry
 
 
@@ -115,6 +115,7 @@ def _update_one(
 
 
 def _changes(old: TestMetrics | None, new: TestMetrics) -> list[str]:
+    new = golden.compared(new)
     if old is None:
         return [
             f"{name}: {len(s.values)} value(s), {s.compare.kind}" for name, s in sorted(new.series.items())
@@ -135,48 +136,49 @@ def _changes(old: TestMetrics | None, new: TestMetrics) -> list[str]:
     return out
 
 
-def diff_rows(a: Report, b: Report) -> list[tuple[str, ...]]:
-    """(test, metric, step, A, B, relative change, verdict) for every value that differs."""
+_DIFF_COLUMNS = ("metric", "step", "A", "B", "rel change", "verdict (B's comparison)")
+
+
+def diff_rows(a: Report, b: Report) -> dict[str, list[tuple[str, ...]]]:
+    """By test: (metric, step, A, B, relative change, verdict) for every value that differs."""
     left = {e.nodeid: e.metrics for e in a.tests if e.metrics is not None}
     right = {e.nodeid: e.metrics for e in b.tests if e.metrics is not None}
-    rows = []
+    out: dict[str, list[tuple[str, ...]]] = {}
     for nodeid in sorted(left.keys() | right.keys()):
         if nodeid not in left or nodeid not in right:
-            rows.append(
-                (
-                    nodeid,
-                    "*",
-                    "*",
-                    "-" if nodeid not in left else "yes",
-                    "-" if nodeid not in right else "yes",
-                    "",
-                    "in one report only",
-                )
-            )
+            out[nodeid] = [("*", "*", _has(nodeid, left), _has(nodeid, right), "", "in one report only")]
             continue
-        rows += _diff_test(nodeid, left[nodeid], right[nodeid])
-    return rows
+        rows = _diff_test(left[nodeid], right[nodeid])
+        if rows:
+            out[nodeid] = rows
+    return out
 
 
-def _diff_test(nodeid: str, a: TestMetrics, b: TestMetrics) -> list[tuple[str, ...]]:
+def _has(nodeid: str, side: dict) -> str:
+    return "recorded" if nodeid in side else "-"
+
+
+def _diff_test(a: TestMetrics, b: TestMetrics) -> list[tuple[str, ...]]:
     rows = []
     for name in sorted(a.series.keys() | b.series.keys()):
         sa, sb = a.series.get(name), b.series.get(name)
-        steps = sorted((sa.values.keys() if sa else set()) | (sb.values.keys() if sb else set()))
+        steps = golden.sorted_steps((sa.values.keys() if sa else set()) | (sb.values.keys() if sb else set()))
+        rule = (sb or sa).compare  # type: ignore[union-attr]
         for step in steps:
             va = sa.values.get(step) if sa else None
             vb = sb.values.get(step) if sb else None
-            if va == vb:
-                continue
-            rel = f"{(vb - va) / abs(va):+.3g}" if va and vb is not None else ""
-            rule = (sb or sa).compare
-            verdict = (
-                ""
-                if va is None or vb is None
-                else ("within " if rule.accepts(va, vb) else "outside ") + rule.kind
-            )
-            rows.append((nodeid, name, step, _cell(va), _cell(vb), rel, verdict))
+            if va != vb:
+                rel = f"{(vb - va) / abs(va):+.3g}" if va and vb is not None else ""
+                rows.append((name, step, _cell(va), _cell(vb), rel, _verdict(rule, va, vb, b.platform)))
     return rows
+
+
+def _verdict(rule: Comparison, a: Number | None, b: Number | None, platform: str) -> str:
+    if a is None or b is None:
+        return "on one side only"
+    if not golden.applies(rule, platform):
+        return f"not compared ({rule.kind} on {platform})"
+    return ("within " if rule.accepts(a, b) else "outside ") + rule.kind
 
 
 def _cell(value: object) -> str:
@@ -184,18 +186,16 @@ def _cell(value: object) -> str:
 
 
 def diff(a: Report, b: Report) -> int:
-    """Print the differing values of two reports; 1 when any differ, 0 when none do."""
-    rows = diff_rows(a, b)
-    if not rows:
+    """Print the differing values of two reports, a table per test; 1 when any differ, else 0."""
+    by_test = diff_rows(a, b)
+    if not by_test:
         print("no differences in recorded metrics")
         return 0
-    print(
-        golden.format_table(
-            rows, ("test", "metric", "step", "A", "B", "rel change", "verdict (B's comparison)")
-        )
-    )
-    tests = len({r[0] for r in rows})
-    print(f"\n{len(rows)} value(s) differ in {tests} test(s)")
+    for nodeid, rows in by_test.items():
+        print(f"{nodeid}\n{golden.format_table(rows, _DIFF_COLUMNS)}\n")
+    outside = sum(r[-1].startswith("outside") for rows in by_test.values() for r in rows)
+    total = sum(len(rows) for rows in by_test.values())
+    print(f"{total} value(s) differ in {len(by_test)} test(s); {outside} outside their comparison")
     return 1
 
 

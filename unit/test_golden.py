@@ -316,13 +316,31 @@ def test_diff_prints_each_differing_value_and_exits_1_and_0_when_equal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     a = metrics(loss=MetricSeries(LOSS, {"1": 2.5, "2": 2.0}), flops=MetricSeries(EXACT, {"1": 7}))
-    b = metrics(loss=MetricSeries(LOSS, {"1": 2.5, "2": 2.04}), flops=MetricSeries(EXACT, {"1": 8}))
+    b = metrics(
+        loss=MetricSeries(LOSS, {"1": 2.5, "2": 2.04}),
+        flops=MetricSeries(EXACT, {"1": 8}),
+        tflops=MetricSeries(at_least(0.5, "t"), {"1": 1.0}),
+    )
+    a.series["tflops"] = MetricSeries(at_least(0.5, "t"), {"1": 3.0})
     pa, pb = _report(tmp_path / "a.json", "f.py::t", a), _report(tmp_path / "b.json", "f.py::t", b)
     assert _ci("diff", str(pa), str(pb)) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].split() == ["f.py::t", "flops", "1", "7", "8", "+0.143", "outside", "exact"]
-    assert lines[3].split() == ["f.py::t", "loss", "2", "2.0", "2.04", "+0.02", "outside", "relative"]
-    assert lines[-1] == "2 value(s) differ in 1 test(s)"
+    assert lines[0] == "f.py::t"
+    assert lines[3].split() == ["flops", "1", "7", "8", "+0.143", "outside", "exact"]
+    assert lines[4].split() == ["loss", "2", "2.0", "2.04", "+0.02", "outside", "relative"]
+    assert lines[5].split() == [
+        "tflops",
+        "1",
+        "3.0",
+        "1.0",
+        "-0.667",
+        "not",
+        "compared",
+        "(at_least",
+        "on",
+        "cpu-gloo)",
+    ]
+    assert lines[-1] == "3 value(s) differ in 1 test(s); 2 outside their comparison"
     assert _ci("diff", str(pa), str(pa)) == 0
     assert capsys.readouterr().out == "no differences in recorded metrics\n"
 
