@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,10 +95,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-def check(nodeid: str, test_file: Any, found: TestMetrics) -> None:
+def check(nodeid: str, test_file: str | os.PathLike, found: TestMetrics) -> None:
     """Compare ``found`` with the test's golden file; raises `GoldenMismatch`, or writes a candidate."""
-    from pathlib import Path
-
     _, name = golden.golden_stem(nodeid)
     paths = golden.golden_paths(Path(test_file), name, found.platform, found.megatron_core)
     path = golden.find_golden(paths)
@@ -109,7 +108,7 @@ def check(nodeid: str, test_file: Any, found: TestMetrics) -> None:
         raise GoldenMismatch(golden.mismatch_message(nodeid, path, rows))
 
 
-def _missing(nodeid: str, path: Any, found: TestMetrics) -> None:
+def _missing(nodeid: str, path: Path, found: TestMetrics) -> None:
     if os.environ.get("CI", "").lower() == "true":
         raise GoldenMismatch(
             f"golden values: no golden file for {nodeid} on platform {found.platform}: expected {path}; "
