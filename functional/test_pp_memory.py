@@ -343,12 +343,12 @@ GOLDEN_LOSS_RTOL = 1e-5
 GOLDEN_LOSS_WHY = (
     "fp32 summation order moved this harness's losses <= 1.8e-7 relative (CP run); bit-identical reruns"
 )
-# Stage peaks (RSS): golden + 10%. Two runs on one machine: see docs/golden-values.md (<= 1% per
-# stage and step); 10% leaves room for another runner's thread pools and allocator and stays
-# under the 1 GiB budget (peaks ~0.6 GB), so a stage that grows is caught here first.
-GOLDEN_PEAK_HEADROOM = 0.10
-GOLDEN_PEAK_WHY = "run-to-run spread on one machine ~1%; 10% for another runner's threads and allocator"
-
+# Stage peaks (RSS): golden + 20%. Over three runs on one machine, a stage's peak at one step
+# spread (max / min - 1) by up to 7.5% (pp2xvpp2 stage 1, step 2; pp2 4.1%, dp2xpp2 4.5%: python
+# -m ci golden diff on their reports). 20% is ~2.7x that, and stays under the 1 GiB budget
+# (pp2xvpp2 stage 0: ~0.84 GB x 1.2 ~ 1.0 GB), so a stage that grows is caught here first.
+GOLDEN_PEAK_HEADROOM = 0.20
+GOLDEN_PEAK_WHY = "three runs on one machine spread a stage's peak at a step by <= 7.5%; ~2.7x that"
 
 def test_stage_peaks_the_stage_holding_the_max_losses_and_flops_match_the_golden_values(
     run: PPRun, kit_metrics: MetricsRecorder

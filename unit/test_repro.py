@@ -136,7 +136,7 @@ BAD_ARGUMENTS = {
 
 def _write_bad_reports(tmp: Path) -> None:
     (tmp / "not.json").write_text("{ this is not json")
-    (tmp / "v2.json").write_text(json.dumps({"version": 2, "tests": []}))
+    (tmp / "v2.json").write_text(json.dumps({"version": 99, "tests": []}))
     (tmp / "notests.json").write_text(json.dumps({"version": 1, "session": {}}))
     (tmp / "nonodeid.json").write_text(json.dumps({"version": 1, "tests": [{"outcome": "failed"}]}))
 
@@ -327,7 +327,7 @@ def test_load_report_accepts_what_the_plugin_writes(tmp_path: Path) -> None:
     path = write_report(tmp_path / "r.json", [oom_entry()])
     assert load_report(path)["tests"][0]["failure"]["kind"] == "oom"
     (tmp_path / "list.json").write_text("[]")
-    with pytest.raises(ReportError, match="is not a version-1 kit report"):
+    with pytest.raises(ReportError, match="is not a version-2 kit report"):
         load_report(tmp_path / "list.json")
 
 
