@@ -350,6 +350,7 @@ GOLDEN_LOSS_WHY = (
 GOLDEN_PEAK_HEADROOM = 0.20
 GOLDEN_PEAK_WHY = "three runs on one machine spread a stage's peak at a step by <= 7.5%; ~2.7x that"
 
+
 def test_stage_peaks_the_stage_holding_the_max_losses_and_flops_match_the_golden_values(
     run: PPRun, kit_metrics: MetricsRecorder
 ) -> None:
