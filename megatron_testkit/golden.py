@@ -170,8 +170,8 @@ def format_table(rows: list[tuple[str, ...]], columns: tuple[str, ...] = _COLUMN
     )
 
 
-def mismatch_message(nodeid: str, path: Path, rows: list[Mismatch]) -> str:
+def mismatch_message(nodeid: str, path: Path, rows: list[Mismatch], note: str = "") -> str:
     """The failure text: what differs, the table, and how to refresh after an intended change."""
     head = f"golden values: {len(rows)} value(s) of {nodeid} differ from {path}"
     tail = "an intended change? refresh with: python -m ci golden update <kit-report.json>"
-    return "\n".join([head, format_table([r.cells() for r in rows]), tail])
+    return "\n".join([head, format_table([r.cells() for r in rows]), *([note] if note else []), tail])

@@ -103,9 +103,21 @@ def check(nodeid: str, test_file: str | os.PathLike, found: TestMetrics) -> None
     if path is None:
         _missing(nodeid, paths[-1], found)
         return
-    rows = golden.compare(golden.read_golden(path), found, platform=found.platform)
+    want = golden.read_golden(path)
+    rows = golden.compare(want, found, platform=found.platform)
     if rows:
-        raise GoldenMismatch(golden.mismatch_message(nodeid, path, rows))
+        raise GoldenMismatch(golden.mismatch_message(nodeid, path, rows, _release_note(want, found)))
+
+
+def _release_note(want: TestMetrics, found: TestMetrics) -> str:
+    """Said when the file was made with another megatron-core minor than this run's (a fallback)."""
+    made, now = golden.mcore_minor(want.megatron_core), golden.mcore_minor(found.megatron_core)
+    if made == now or now is None:
+        return ""
+    return (
+        f"the file was made with megatron-core {want.megatron_core}, this run has {found.megatron_core}: "
+        f"if the release explains the difference, golden update writes this release's own file ({now})"
+    )
 
 
 def _missing(nodeid: str, path: Path, found: TestMetrics) -> None:

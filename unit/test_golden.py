@@ -202,6 +202,7 @@ def test_plugin_writes_a_candidate_locally_then_passes_fails_on_a_perturbed_valu
     content = json.loads(_golden_of(tmp_path).read_text())
     content["series"]["loss"]["values"]["2"] *= 1.02
     content["series"]["flops"]["values"]["1"] += 1
+    content["made_with"]["megatron_core"] = "0.1.0"  # made with another release: the message says so
     _golden_of(tmp_path).write_text(json.dumps(content))
     bad = run_inner_session(tmp_path, "test_inner.py", INNER)
     assert bad["rc"] == 1
@@ -212,6 +213,18 @@ def test_plugin_writes_a_candidate_locally_then_passes_fails_on_a_perturbed_valu
     assert table[3].split() == ["flops", "1", "1001", "1000", "==", "1001"]
     assert table[4].split()[:4] == ["loss", "2", repr(2.25 * 1.02), "2.25"]
     assert "golden values: 2 value(s)" in bad["output"]
+    installed = _installed("megatron-core")
+    note = f"the file was made with megatron-core 0.1.0, this run has {installed}"
+    assert (note in failure["message"]) == (installed is not None), failure["message"]
+
+
+def _installed(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def test_on_ci_a_test_without_a_golden_file_fails_and_writes_nothing(
