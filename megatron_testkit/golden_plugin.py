@@ -63,6 +63,7 @@ def kit_metrics(request: pytest.FixtureRequest) -> Iterator[MetricsRecorder]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """After the test body: collect what ranks recorded; compare when the body passed."""
     recorder = item.stash.get(_RECORDER, None)
     try:
         result = yield
@@ -77,6 +78,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    """Add the series (and a golden failure's kind) to the call phase's ``report.kit``; outermost,
+    so it adds to what the kit's own hook attached."""
     report = yield
     found = item.stash.get(_METRICS, None)
     if call.when != "call" or found is None:
