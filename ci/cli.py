@@ -142,6 +142,12 @@ COMMANDS: tuple[Command, ...] = (
         _lazy("ci.gpu_check.run"),
     ),
     Command(
+        "golden",
+        "golden values: update REPORT (write them from a run), diff A.json B.json (compare two runs)",
+        None,
+        _own_parser("ci.golden.main"),
+    ),
+    Command(
         "bench",
         "run the benchmarks of ci/benchmarks and compare their ratios",
         _lazy("ci.bench.add_arguments"),

@@ -25,7 +25,7 @@ MAX_REPORT_BYTES = 32 * 2**20
 
 
 class ReportError(ValueError):
-    """A report that is missing, too large, not JSON, or not a well-formed version-1 kit report."""
+    """A report that is missing, too large, not JSON, or not a well-formed kit report (version 1 or 2)."""
 
 
 def _refuse_constant(name: str) -> Any:

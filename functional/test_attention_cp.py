@@ -23,6 +23,7 @@ import torch
 
 from fixtures.attention_te import te_vs_reference_worker
 from megatron_testkit import skips
+from megatron_testkit.metrics import MetricsRecorder
 from megatron_testkit.ranks import run_ranks
 
 # Head dims TE can run THD + CP + padding with. Only cuDNN's fused attention takes that case: TE
@@ -71,12 +72,23 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
+# Golden values (functional/golden/test_attention_cp/, docs/golden-values.md), recorded inside
+# each rank: per pack, the rank's token count under the load-balanced split (exact: a changed
+# split is a changed count) and the mean |output| over its tokens. Tolerance: every output element
+# is within 1e-10 of the float64 oracle (asserted below), so two correct runs' means differ by at
+# most 2e-10 absolute; the smallest mean |output| of these packs is 0.101 (measured: rank 1, pack
+# 12), so 2e-10 / 0.10 = 2e-9 relative bounds every pack. Only the summation order may differ.
+GOLDEN_MEAN_RTOL = 2e-9
+GOLDEN_MEAN_WHY = "every element within 1e-10 of the float64 oracle; smallest mean |out| 0.101: 2e-10/0.10"
+
+
 def cp_attention_worker(rank: int, world_size: int, cases: list) -> list[dict[str, float]]:
     """Per case: max abs error of outputs and Q/K/V gradients vs the oracle, plus the control's."""
     import torch.distributed as dist
 
     from fixtures.attention import naive_attention, thd_attention
     from fixtures.data import cp_partition_index
+    from megatron_testkit import metrics
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
@@ -97,6 +109,8 @@ def cp_attention_worker(rank: int, world_size: int, cases: list) -> list[dict[st
             out = thd_attention(ql, kl, vl, cu, cp_group=group)  # noqa: B023
             (out * w[idx]).sum().backward()  # noqa: B023
             return {
+                "out_abs_mean": out.detach().abs().mean().item(),
+                "local_tokens": int(idx.numel()),
                 "out": (out - ref[idx]).abs().max().item(),  # noqa: B023
                 "dq": (ql.grad - gq[idx]).abs().max().item(),  # noqa: B023
                 "dk": (kl.grad - gk[idx]).abs().max().item(),  # noqa: B023
@@ -104,6 +118,10 @@ def cp_attention_worker(rank: int, world_size: int, cases: list) -> list[dict[st
             }
 
         res = run(cp_partition_index(cu, world_size, rank))
+        case = len(results)
+        metrics.record(f"rank{rank}/local_tokens", case, res["local_tokens"])
+        mean = metrics.relative(GOLDEN_MEAN_RTOL, GOLDEN_MEAN_WHY)
+        metrics.record(f"rank{rank}/out_abs_mean", case, res["out_abs_mean"], mean)
         # Negative control: same code, contiguous halves of the pack instead of the 2-chunk layout.
         contiguous = torch.arange(rank * t // world_size, (rank + 1) * t // world_size)
         res["control_out"] = run(contiguous)["out"]
@@ -114,7 +132,9 @@ def cp_attention_worker(rank: int, world_size: int, cases: list) -> list[dict[st
 @pytest.mark.L0
 @pytest.mark.world_size(2)
 @pytest.mark.memory_budget(host="512MiB")  # measured peak ~250 MiB per rank (torch + gloo), 2x margin
-def test_cp2_reference_attention_matches_the_unsplit_oracle_on_random_packs() -> None:
+def test_cp2_reference_attention_matches_the_unsplit_oracle_on_random_packs(
+    kit_metrics: MetricsRecorder,
+) -> None:
     cases = _cases(12, cp=2, seed=1) + _tail_only_cases(2, CPU_HEAD_DIMS)
     per_rank = run_ranks(cp_attention_worker, 2, backend="gloo", args=(cases,), timeout=180)
     for rank, results in enumerate(per_rank):

@@ -47,6 +47,7 @@ from fixtures.oracles import max_over_ranks, megatron_lm_step_flops
 from fixtures.tensorboard import read_scalars
 from fixtures.training import ModelConfig
 from megatron_testkit.collectives import CollectiveCounter
+from megatron_testkit.metrics import EXACT, MetricsRecorder, at_most, relative
 from megatron_testkit.ranks import run_ranks
 
 
@@ -330,3 +331,46 @@ def test_every_rank_counts_each_micro_batch_once(run: PPRun) -> None:
     want = megatron_lm_step_flops(s.model, rows)
     for res in run.on:
         assert [e["step_flops"] for e in res["steps"]] == [want] * s.steps, res["rank"]
+
+
+# ------------------------------------------------------------------------------- golden values
+# Compared with functional/golden/test_pp_memory/<test>.<platform>.json (docs/golden-values.md).
+# Loss (fp32 on CPU): runs on one machine are bit-identical (measured); another machine changes
+# the order of floating-point sums, which on this harness moved the CP run's losses by <= 1.8e-7
+# and grad norms by <= 6.8e-7 relative over 8 steps (test_cp_pretrain_sft.py, GOLDEN_LOSS_RTOL);
+# 1e-5 is the same ~15x margin. Step FLOPs and the stage holding each maximum are exact.
+GOLDEN_LOSS_RTOL = 1e-5
+GOLDEN_LOSS_WHY = (
+    "fp32 summation order moved this harness's losses <= 1.8e-7 relative (CP run); bit-identical reruns"
+)
+# Stage peaks (RSS): golden + 20%. Over three runs on one machine, a stage's peak at one step
+# spread (max / min - 1) by up to 7.5% (pp2xvpp2 stage 1, step 2; pp2 4.1%, dp2xpp2 4.5%: python
+# -m ci golden diff on their reports). 20% is ~2.7x that, and stays under the 1 GiB budget
+# (pp2xvpp2 stage 0: ~0.84 GB x 1.2 ~ 1.0 GB), so a stage that grows is caught here first.
+GOLDEN_PEAK_HEADROOM = 0.20
+GOLDEN_PEAK_WHY = "three runs on one machine spread a stage's peak at a step by <= 7.5%; ~2.7x that"
+
+
+def test_stage_peaks_the_stage_holding_the_max_losses_and_flops_match_the_golden_values(
+    run: PPRun, kit_metrics: MetricsRecorder
+) -> None:
+    """Per step: each stage's peak (max over its DP ranks), which stage holds the pipeline's max of
+    each peak key, the loss the last stage reports and every rank's step FLOPs."""
+    s = run.scenario
+    peak = at_most(GOLDEN_PEAK_HEADROOM, GOLDEN_PEAK_WHY)
+    pp_rank = {res["rank"]: res["pp_rank"] for res in run.on}
+    peak_keys = sorted(k for k in run.writer["steps"][0]["report"] if "peak" in k)
+    assert peak_keys and all(e["ranks"] is not None for e in run.writer["steps"])
+    for step in range(1, s.steps + 1):
+        for key in peak_keys:
+            for stage in range(s.pp):
+                stage_peak = max(
+                    res["steps"][step - 1]["report"][key] for res in run.on if res["pp_rank"] == stage
+                )
+                kit_metrics.record(f"stage{stage}/{key}", step, int(stage_peak), peak)
+            kit_metrics.record(
+                f"stage_holding_max/{key}", step, pp_rank[run.writer["steps"][step - 1]["ranks"][key]]
+            )
+    loss = relative(GOLDEN_LOSS_RTOL, GOLDEN_LOSS_WHY)
+    kit_metrics.record_steps("loss", [e["loss"] for e in run.writer["steps"]], loss)
+    kit_metrics.record_steps("step_flops", [e["step_flops"] for e in run.writer["steps"]], EXACT)

@@ -42,7 +42,7 @@ from typing import Any
 import psutil
 import pytest
 
-from megatron_testkit import attribution, skips
+from megatron_testkit import attribution, golden_plugin, skips
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
 from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
@@ -198,6 +198,8 @@ def pytest_configure(config: pytest.Config) -> None:
     _leak_guard_mode(config)  # a bad value is a usage error now, not in the first test's teardown
     _register_skip_policy(config)
     _check_kit_environment()
+    if not config.pluginmanager.has_plugin("kit-golden"):  # kit_metrics, golden values (its module)
+        config.pluginmanager.register(golden_plugin, "kit-golden")
     # Saved and restored: a pytester session run in-process must not redirect the outer one's logs.
     config.stash[_SAVED_ROOTS] = (attribution.log_root(), attribution.scratch_root())
     if _is_xdist_worker(config):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_testkit.budgets import MemoryBudget, format_size
+from megatron_testkit.metrics import TestMetrics
 from megatron_testkit.schema import OUTCOMES, REPORT_VERSION, Failure, RankPeak, Report, Run, TestEntry
 
 
@@ -37,6 +38,7 @@ class TestRow:
     skip_capability: str | None = None
     runs: list[Run] = field(default_factory=list)
     finished: bool = False  # its teardown report arrived
+    metrics: dict[str, Any] | None = None  # the recorded series (`megatron_testkit.metrics`)
 
     def entry(self) -> TestEntry:
         """The row in the report's schema (runs folded into per-test and per-rank maxima)."""
@@ -71,6 +73,7 @@ class TestRow:
             launches=len(self.runs),
             worker=self.worker,
             skip_capability=self.skip_capability,
+            metrics=TestMetrics.from_json(self.metrics) if self.metrics else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -115,6 +118,7 @@ class ReportCollector:
         row.leaked_processes += int(kit.get("leaked_processes", 0))
         row.worker = kit.get("worker") or row.worker
         row.skip_capability = kit.get("skip_capability") or row.skip_capability
+        row.metrics = kit.get("metrics") or row.metrics
         outcome = _phase_outcome(report)
         if outcome in ("failed", "error") and row.outcome not in ("failed", "error"):
             failure = kit.get("failure")

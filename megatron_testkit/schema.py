@@ -14,9 +14,13 @@ import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
-# Additions that readers of version 1 parse unchanged (absent reads as None) keep the version: the
-# ``interrupted`` outcome, the session's ``exit_status``, a rank's ``peak_process``.
-REPORT_VERSION = 1
+from megatron_testkit.metrics import TestMetrics
+
+# 2: TestEntry.metrics (recorded series). Optional additions that older readers parse unchanged
+# (absent reads as None) keep the version: the ``interrupted`` outcome, the session's
+# ``exit_status``, a rank's ``peak_process``.
+REPORT_VERSION = 2
+READ_VERSIONS = (1, 2)  # a version-1 report reads as one without metrics
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
 OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
@@ -144,6 +148,7 @@ class TestEntry:
     launches: int = 0
     worker: str | None = None
     skip_capability: str | None = None  # what a skipped test declared it needs (megatron_testkit.skips)
+    metrics: TestMetrics | None = None  # recorded metric series and their platform (golden values)
 
     def to_json(self) -> dict[str, Any]:
         """The row as plain JSON types, in the report's field names."""
@@ -174,6 +179,7 @@ class TestEntry:
         values["outcome"] = str(data["outcome"])
         if not isinstance(values.get("skip_capability"), str):
             values["skip_capability"] = None
+        values["metrics"] = _metrics(data.get("metrics"), f"{where}.metrics")
         values["ranks"] = [
             RankPeak.from_json(r, f"{where}.ranks[{i}]")
             for i, r in enumerate(data.get("ranks") or [])
@@ -253,7 +259,7 @@ class Report:
     @classmethod
     def from_json(cls, data: Any) -> Report:
         """Parse a report; `SchemaError` says what is missing or of another version."""
-        if not isinstance(data, dict) or data.get("version") != REPORT_VERSION:
+        if not isinstance(data, dict) or data.get("version") not in READ_VERSIONS:
             found = data.get("version") if isinstance(data, dict) else type(data).__name__
             raise SchemaError(f"not a version-{REPORT_VERSION} kit report (version: {found!r})")
         tests = data.get("tests")
@@ -265,6 +271,13 @@ class Report:
         return cls(
             session=session, tests=[TestEntry.from_json(t, f"tests[{i}]") for i, t in enumerate(tests)]
         )
+
+
+def _metrics(data: Any, where: str) -> TestMetrics | None:
+    try:
+        return TestMetrics.from_json(data, where) if data is not None else None
+    except ValueError as exc:
+        raise SchemaError(str(exc)) from None
 
 
 def _is_int(value: Any) -> bool:

@@ -482,7 +482,7 @@ def test_the_job_command_prints_what_it_runs() -> None:
         (("job", "L0-cpu", "L1-cpu"), "expected one job name"),
         (("job", "L0-cpu", "--fast"), "unknown option '--fast'"),
         (("jobs",), "unknown command 'jobs'"),
-        ((), "no command given: expected one of job, repro, chart, merge-reports, gpu-check, bench"),
+        ((), "no command given: expected one of job, repro, chart, merge-reports, gpu-check, bench, golden"),
         (("job", "L0-cpu", "--dry-run", "L1-cpu"), "expected one job name"),
         (("chart", "a.json", "b.json"), "expected at most one report path"),
         (("gpu-check",), "python -m ci gpu-check: error: the following arguments are required: OUTDIR"),
@@ -505,7 +505,7 @@ def test_usage_errors_go_to_stderr_with_exit_2(args: tuple[str, ...], words: str
 
 
 # Every subcommand, as the issue names them (not read from ci/cli.py, which this checks).
-SUBCOMMANDS = ("job", "repro", "chart", "merge-reports", "gpu-check", "bench")
+SUBCOMMANDS = ("job", "repro", "chart", "merge-reports", "gpu-check", "golden", "bench")
 
 
 def test_help_lists_every_subcommand_and_each_has_its_own() -> None:

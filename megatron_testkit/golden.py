@@ -1,0 +1,177 @@
+"""Golden values: committed files of a test's metric series per platform, compared with a run's.
+
+Layout, next to the tests: ``<test dir>/golden/<test module>/<test name>.<platform>.json``, where
+the platform is ``cpu-gloo`` or ``<gpu model>-nccl`` (``h100-nccl``), and a file for one
+megatron-core minor adds it (``cpu-gloo.mcore0.16``) where that release's values differ; the
+lookup takes the release's file first, then the platform's. Pure functions over paths and JSON:
+the plugin (`megatron_testkit.golden_plugin`) and ``python -m ci golden`` both use them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_testkit.metrics import Comparison, MetricSeries, Number, TestMetrics
+
+GOLDEN_DIR = "golden"
+_COLUMNS = ("metric", "step", "golden", "got", "allowed")
+
+
+def platform_key(backend: str | None, gpu_name: str | None = None) -> str:
+    """``cpu-gloo`` for gloo; ``<gpu model>-nccl`` for NCCL (``NVIDIA H100 80GB HBM3`` -> ``h100-nccl``)."""
+    if backend != "nccl":
+        return "cpu-gloo"
+    return f"{gpu_slug(gpu_name or 'gpu')}-nccl"
+
+
+def gpu_slug(name: str) -> str:
+    """A GPU's model as one lowercase word: the vendor dropped, the first word kept."""
+    words = [w for w in re.split(r"[^A-Za-z0-9]+", name) if w and w.lower() not in ("nvidia", "amd", "tesla")]
+    return words[0].lower() if words else "gpu"
+
+
+def is_gpu_platform(platform: str) -> bool:
+    """Whether a platform key names a GPU platform (throughput lower bounds apply only there)."""
+    return not platform.startswith("cpu-")
+
+
+def mcore_minor(version: str | None) -> str | None:
+    """``0.16.1`` -> ``mcore0.16`` (None when megatron-core is not installed)."""
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    return f"mcore{match.group(1)}.{match.group(2)}" if match else None
+
+
+def golden_stem(nodeid: str) -> tuple[str, str]:
+    """``dir/test_mod.py::Class::test[p]`` -> (``dir/test_mod.py``, ``Class.test[p]``)."""
+    module, _, name = nodeid.partition("::")
+    if not name:
+        raise ValueError(f"{nodeid!r} is not a test node id (path::name)")
+    return module, name.replace("::", ".")
+
+
+def golden_paths(test_file: Path, test_name: str, platform: str, megatron_core: str | None) -> list[Path]:
+    """Where a test's golden file may be, most specific first (the release's, then the platform's)."""
+    directory = test_file.parent / GOLDEN_DIR / test_file.stem
+    name = re.sub(r"[^A-Za-z0-9._\[\]-]+", "_", test_name)
+    minor = mcore_minor(megatron_core)
+    specific = [directory / f"{name}.{platform}.{minor}.json"] if minor else []
+    return [*specific, directory / f"{name}.{platform}.json"]
+
+
+def find_golden(paths: list[Path]) -> Path | None:
+    """The first of ``paths`` that exists."""
+    return next((p for p in paths if p.is_file()), None)
+
+
+def candidate_path(path: Path) -> Path:
+    """Where a local run writes the file it would have compared with: ``<name>.candidate.json``."""
+    return path.with_suffix(".candidate.json")
+
+
+def applies(rule: Comparison, platform: str) -> bool:
+    """Whether ``rule`` compares anything on ``platform`` (throughput bounds: GPU platforms only)."""
+    return rule.kind != "none" and (rule.kind != "at_least" or is_gpu_platform(platform))
+
+
+def compared(metrics: TestMetrics) -> TestMetrics:
+    """``metrics`` less the series its platform does not compare (what a golden file holds)."""
+    kept = {n: s for n, s in metrics.series.items() if applies(s.compare, metrics.platform)}
+    return TestMetrics(metrics.platform, metrics.megatron_core, kept)
+
+
+def golden_json(nodeid: str, metrics: TestMetrics, torch_version: str | None = None) -> dict[str, Any]:
+    """A golden file's content: the test, what made it, and the compared series (rule beside values)."""
+    made_with = {"megatron_core": metrics.megatron_core, "torch": torch_version}
+    series = {name: s.to_json() for name, s in sorted(compared(metrics).series.items())}
+    return {"test": nodeid, "platform": metrics.platform, "made_with": made_with, "series": series}
+
+
+def write_golden(path: Path, content: dict[str, Any]) -> None:
+    """Write one golden file (sorted series, 2-space JSON, a final newline)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content, indent=2) + "\n")
+
+
+def read_golden(path: Path) -> TestMetrics:
+    """A golden file's series; a ValueError names the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+        core = (data.get("made_with") or {}).get("megatron_core")
+        return TestMetrics.from_json({"platform": data.get("platform"), "megatron_core": core, **data})
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a golden file ({exc})") from None
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One row of the mismatch table."""
+
+    metric: str
+    step: str
+    golden: Number | None
+    got: Number | None
+    allowed: str
+
+    def cells(self) -> tuple[str, ...]:
+        """The row's printed cells (``-`` for a missing value)."""
+        return (self.metric, self.step, _cell(self.golden), _cell(self.got), self.allowed)
+
+
+def _cell(value: Number | None) -> str:
+    return "-" if value is None else repr(value)
+
+
+def compare(golden: TestMetrics, got: TestMetrics, *, platform: str) -> list[Mismatch]:
+    """Every value of ``got`` outside its comparison against ``golden``, and every golden value
+    ``got`` lacks. The comparison is ``got``'s (the test states it); series ``platform`` does not
+    compare (``none``; ``at_least`` off GPU platforms) are left out, as golden files leave them out."""
+    out = []
+    got = compared(TestMetrics(platform, got.megatron_core, got.series))
+    golden = compared(TestMetrics(platform, golden.megatron_core, golden.series))
+    for name in sorted(golden.series.keys() | got.series.keys()):
+        want, have = golden.series.get(name), got.series.get(name)
+        if have is None:
+            out.append(Mismatch(name, "*", None, None, "the test no longer records this series"))
+            continue
+        if want is None:
+            out.append(Mismatch(name, "*", None, None, "not in the golden file"))
+            continue
+        out += _compare_series(name, want, have, platform)
+    return out
+
+
+def _compare_series(name: str, want: MetricSeries, have: MetricSeries, platform: str) -> list[Mismatch]:
+    rule = have.compare
+    out = []
+    for step in sorted_steps(want.values.keys() | have.values.keys()):
+        g, v = want.values.get(step), have.values.get(step)
+        if g is None or v is None:
+            out.append(Mismatch(name, step, g, v, "a step present on one side only"))
+        elif not rule.accepts(g, v):
+            out.append(Mismatch(name, step, g, v, rule.allowed(g)))
+    return out
+
+
+def sorted_steps(steps: Any) -> list[str]:
+    """Steps in numeric order, then labels (``rank0``...) in text order."""
+    return sorted(steps, key=lambda s: (0, int(s), "") if s.lstrip("-").isdigit() else (1, 0, s))
+
+
+def format_table(rows: list[tuple[str, ...]], columns: tuple[str, ...] = _COLUMNS) -> str:
+    """A plain-text table with a header line."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    lines = [columns, tuple("-" * w for w in widths), *rows]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def mismatch_message(nodeid: str, path: Path, rows: list[Mismatch], note: str = "") -> str:
+    """The failure text: what differs, the table, and how to refresh after an intended change."""
+    head = f"golden values: {len(rows)} value(s) of {nodeid} differ from {path}"
+    tail = "an intended change? refresh with: python -m ci golden update <kit-report.json>"
+    return "\n".join([head, format_table([r.cells() for r in rows]), *([note] if note else []), tail])

@@ -1,0 +1,175 @@
+"""The golden-value part of the pytest plugin: the `kit_metrics` fixture, the comparison when a test
+body returns, and the recorded series in the kit report (``report.kit["metrics"]``).
+
+Registered by `megatron_testkit.plugin`. A test that records nothing is untouched. A golden
+mismatch fails the test in its call phase with a table (metric, step, golden, got, allowed); the
+report names the failure kind ``golden``. With no golden file for the platform, a CI run
+(``CI=true``) fails the same way; a local run writes a candidate beside where the file belongs
+and passes with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_testkit import attribution, golden, metrics
+from megatron_testkit.metrics import MetricsRecorder, TestMetrics
+
+PLATFORM_ENV = "KIT_GOLDEN_PLATFORM"  # overrides the platform key (a runner the kit cannot name)
+_RECORDER = pytest.StashKey[MetricsRecorder]()
+_METRICS = pytest.StashKey[TestMetrics]()
+
+
+class GoldenMismatch(pytest.fail.Exception):  # type: ignore[misc,name-defined]
+    """The recorded series left their golden values (or, on CI, have none): failure kind ``golden``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, pytrace=False)
+
+
+class GoldenCandidateWarning(UserWarning):
+    """No golden file for this platform: a candidate was written (local runs only)."""
+
+
+@pytest.fixture
+def kit_metrics(request: pytest.FixtureRequest) -> Iterator[MetricsRecorder]:
+    """Records the test's metric series (`MetricsRecorder.record`); ranks record with
+    `megatron_testkit.metrics.record`. Compared with the golden file when the test body returns."""
+    directory = tempfile.mkdtemp(prefix="kit-metrics-")
+    recorder = MetricsRecorder(directory)
+    request.node.stash[_RECORDER] = recorder
+    saved = os.environ.get(metrics.METRICS_DIR_ENV)
+    os.environ[metrics.METRICS_DIR_ENV] = directory  # spawned ranks inherit it
+    metrics.activate(recorder)
+    try:
+        yield recorder
+    finally:
+        metrics.activate(None)
+        if saved is None:
+            os.environ.pop(metrics.METRICS_DIR_ENV, None)
+        else:
+            os.environ[metrics.METRICS_DIR_ENV] = saved
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """After the test body: collect what ranks recorded; compare when the body passed."""
+    recorder = item.stash.get(_RECORDER, None)
+    try:
+        result = yield
+    finally:
+        if recorder is not None:
+            recorder.collect_ranks()
+            item.stash[_METRICS] = TestMetrics(_platform(), _version("megatron-core"), recorder.series)
+    if recorder is not None and recorder.series:
+        check(item.nodeid, item.path, item.stash[_METRICS])
+    return result
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    """Add the series (and a golden failure's kind) to the call phase's ``report.kit``; outermost,
+    so it adds to what the kit's own hook attached."""
+    report = yield
+    found = item.stash.get(_METRICS, None)
+    if call.when != "call" or found is None:
+        return report
+    kit = dict(getattr(report, "kit", None) or {})
+    kit["metrics"] = found.to_json()
+    if call.excinfo is not None and isinstance(call.excinfo.value, GoldenMismatch):
+        message = str(call.excinfo.value)
+        kit["failure"] = {
+            "rank": None,
+            "kind": "golden",
+            "first_line": message.splitlines()[0],
+            "message": message,
+        }
+    report.kit = kit
+    return report
+
+
+def check(nodeid: str, test_file: str | os.PathLike, found: TestMetrics) -> None:
+    """Compare ``found`` with the test's golden file; raises `GoldenMismatch`, or writes a candidate."""
+    _, name = golden.golden_stem(nodeid)
+    paths = golden.golden_paths(Path(test_file), name, found.platform, found.megatron_core)
+    path = golden.find_golden(paths)
+    if path is None:
+        _missing(nodeid, paths[-1], found)
+        return
+    want = golden.read_golden(path)
+    rows = golden.compare(want, found, platform=found.platform)
+    if rows:
+        raise GoldenMismatch(golden.mismatch_message(nodeid, path, rows, _release_note(want, found)))
+
+
+def _release_note(want: TestMetrics, found: TestMetrics) -> str:
+    """Said when the file was made with another megatron-core minor than this run's (a fallback)."""
+    made, now = golden.mcore_minor(want.megatron_core), golden.mcore_minor(found.megatron_core)
+    if made == now or now is None:
+        return ""
+    return (
+        f"the file was made with megatron-core {want.megatron_core}, this run has {found.megatron_core}: "
+        f"if the release explains the difference, golden update writes this release's own file ({now})"
+    )
+
+
+def _missing(nodeid: str, path: Path, found: TestMetrics) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        raise GoldenMismatch(
+            f"golden values: no golden file for {nodeid} on platform {found.platform}: expected {path}; "
+            "make it from a passing run's report: python -m ci golden update <kit-report.json>"
+        )
+    candidate = golden.candidate_path(path)
+    golden.write_golden(candidate, golden.golden_json(nodeid, found, _version("torch")))
+    warnings.warn(
+        GoldenCandidateWarning(
+            f"no golden file for platform {found.platform}; wrote a candidate to {candidate} "
+            f"(review it and rename it to {path.name}, or run python -m ci golden update)"
+        ),
+        stacklevel=1,
+    )
+
+
+def _platform() -> str:
+    """The platform key of the running test: from its launches' backend (nccl: the GPU model)."""
+    override = os.environ.get(PLATFORM_ENV)
+    if override:
+        return override
+    context = attribution.current()
+    backends = {run.backend for run in context.runs} if context is not None else set()
+    backend = "nccl" if "nccl" in backends else "gloo"
+    return golden.platform_key(backend, _gpu_name() if backend == "nccl" else None)
+
+
+def _gpu_name() -> str | None:
+    """GPU 0's model from nvidia-smi (the pytest process does not initialise CUDA for it)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _version(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
