@@ -97,6 +97,20 @@ def test_accounting_has_no_import_cycle() -> None:
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
 
 
+@pytest.mark.parametrize(
+    ("package", "edge"),
+    [
+        ("megatron_testkit", ("megatron_testkit.plugin", "megatron_testkit.skips")),
+        ("ci", ("ci.gpu_check.check", "ci.gpu_check.bench")),
+    ],
+)
+def test_the_kit_and_the_ci_tooling_have_no_import_cycle(package: str, edge: tuple[str, str]) -> None:
+    root = Path(__file__).resolve().parent.parent / package
+    graph = import_graph(root, package)
+    assert edge[1] in graph[edge[0]]  # the graph really was read
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+
+
 def test_a_cycle_closed_only_under_type_checking_is_found(tmp_path: Path) -> None:
     root = _write_package(
         tmp_path,

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ci.gpu_check.check import Check
+    from ci.gpu_check.summary import CheckState
 
 VARIANTS = ("add_microbatch", "item_per_microbatch", "tolist_loop")
 BUSY_CYCLES = 2_000_000  # ~1 ms on a ~2 GHz SM clock
 
 
-def step(check: Check) -> dict[str, Any]:
+def step(check: CheckState) -> dict[str, Any]:
     """Measure (CPU tensors and 3 repeats in a dry run, CUDA and 50 on the GPU); write the figures."""
     figures = bench_add_microbatch(cuda=not check.dry, repeat=3 if check.dry else 50)
     (check.out / "bench.json").write_text(json.dumps(figures, indent=2))

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from ci.gpu_check import bench, environment, gpt, hang, memory, pytest_step, sync
-from ci.gpu_check.summary import StepFailed, StepResult, exit_status, record
+from ci.gpu_check.summary import CheckState, StepFailed, StepResult, exit_status, record
 
 # Each step: a function of the running check giving its figures (or raising StepFailed).
-STEP_FUNCTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
+STEP_FUNCTIONS: dict[str, Callable[[CheckState], dict[str, Any]]] = {
     "environment": environment.step,
     "memory": memory.step,
     "hang": hang.step,
@@ -25,19 +25,12 @@ STEP_FUNCTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
 MIN_STEP_S = 10
 
 
-class Check:
+class Check(CheckState):
     """Runs the steps in order within a time budget, writing summary.json line by line."""
 
     def __init__(self, outdir: Path, *, dry_run: bool, budget_s: float) -> None:
-        self.out = outdir
-        self.dry = dry_run
-        self.deadline = time.monotonic() + budget_s
-        self.summary = outdir / "summary.json"
+        super().__init__(outdir, dry_run=dry_run, budget_s=budget_s)
         self.results: list[StepResult] = []
-
-    def remaining(self) -> float:
-        """Seconds left of the check's budget."""
-        return self.deadline - time.monotonic()
 
     def pytest_command(self) -> tuple[list[str], dict[str, str]]:
         """The pytest command and environment of the last step (printed by the dry run)."""

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 from ci.gpu_check.summary import StepFailed, expect
 
 if TYPE_CHECKING:
-    from ci.gpu_check.check import Check
+    from ci.gpu_check.summary import CheckState
 
 
-def step(check: Check) -> dict[str, Any]:
+def step(check: CheckState) -> dict[str, Any]:
     """The versions the other steps run on; a missing GPU fails here unless this is a dry run."""
     import torch
 

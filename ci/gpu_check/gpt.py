@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ci.gpu_check.summary import expect
 
 if TYPE_CHECKING:
-    from ci.gpu_check.check import Check
+    from ci.gpu_check.summary import CheckState
 
 
 def gpt_rank(rank: int, world_size: int, root: str, steps: int) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def train_save_load(root: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def step(check: Check) -> dict[str, Any]:
+def step(check: CheckState) -> dict[str, Any]:
     """One step on the CPU in a dry run, three in bf16 on CUDA; the load restores loss and FLOPs."""
     from megatron_testkit.ranks import run_ranks
 

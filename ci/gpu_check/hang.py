@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ci.gpu_check.summary import expect
 
 if TYPE_CHECKING:
-    from ci.gpu_check.check import Check
+    from ci.gpu_check.summary import CheckState
 
 
 def hang_rank(rank: int, world_size: int, marker: str) -> None:
@@ -67,7 +67,7 @@ def canned_desync_rank(rank: int, world_size: int, stem: str) -> bool:
     return True
 
 
-def step(check: Check) -> dict[str, Any]:
+def step(check: CheckState) -> dict[str, Any]:
     """On the GPU: the hang verdict and the dump taken while the collective is stuck."""
     from megatron_testkit import flight_recorder as fr
 
@@ -126,7 +126,7 @@ def _diagnosis(stem: str) -> dict[str, Any]:
     return {"diagnosis": lines, "entries": entries}
 
 
-def canned_dump(check: Check, fr_dir: Path) -> dict[str, Any]:
+def canned_dump(check: CheckState, fr_dir: Path) -> dict[str, Any]:
     """Dry run: a real flight-recorder dump of a two-rank gloo desync, parsed and diagnosed."""
     from megatron_testkit import flight_recorder as fr
     from megatron_testkit.ranks import run_ranks

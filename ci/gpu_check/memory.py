@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ci.gpu_check.summary import StepFailed, expect
 
 if TYPE_CHECKING:
-    from ci.gpu_check.check import Check
+    from ci.gpu_check.summary import CheckState
 
 GiB = 1024**3
 
@@ -54,7 +54,7 @@ def oom_rank(rank: int, world_size: int, size_bytes: int) -> None:
     torch.empty(size_bytes, dtype=torch.uint8, device="cuda")
 
 
-def step(check: Check) -> dict[str, Any]:
+def step(check: CheckState) -> dict[str, Any]:
     """A 1 GiB device budget caps the card at 1 GiB; on the GPU, the report and the planted OOM."""
     from megatron_testkit import devices
     from megatron_testkit.budgets import MemoryBudget
@@ -69,7 +69,7 @@ def step(check: Check) -> dict[str, Any]:
     return figures
 
 
-def _report_on_cuda(check: Check) -> dict[str, Any]:
+def _report_on_cuda(check: CheckState) -> dict[str, Any]:
     """memory_report's device keys, as ints, with the peak at least the rank's own tensor."""
     from megatron_testkit.ranks import run_ranks
 
@@ -88,7 +88,7 @@ def _report_on_cuda(check: Check) -> dict[str, Any]:
     }
 
 
-def _planted_oom(check: Check, budget: Any) -> dict[str, Any]:
+def _planted_oom(check: CheckState, budget: Any) -> dict[str, Any]:
     """2 GiB under a 1 GiB device budget: `RankFailure` names rank 0 ``oom`` in its first words."""
     from megatron_testkit.ranks import RankFailure, run_ranks
 

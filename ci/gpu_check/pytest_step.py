@@ -20,7 +20,7 @@ from ci.gpu_check.summary import StepFailed, expect
 from ci.jobs import ALLOWED_SKIPS_ENV, GPU_ALLOWED_SKIPS
 
 if TYPE_CHECKING:
-    from ci.gpu_check.check import Check
+    from ci.gpu_check.summary import CheckState
 
 ROOT = Path(__file__).resolve().parents[2]
 # What this one-GPU check may skip: what the GPU rows may, plus the tests needing more GPUs than one.
@@ -52,7 +52,7 @@ def pytest_command(out: Path) -> tuple[list[str], dict[str, str]]:
     return cmd, env
 
 
-def step(check: Check) -> dict[str, Any]:
+def step(check: CheckState) -> dict[str, Any]:
     """Run the selection (collect it in a dry run); it must pass and run at least one test."""
     cmd, env = pytest_command(check.out)
     if check.dry:

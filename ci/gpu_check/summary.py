@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,3 +44,21 @@ def record(summary: Path, result: StepResult) -> None:
 def exit_status(results: Iterable[StepResult]) -> int:
     """0 when every step passed (or dry-ran), 1 otherwise."""
     return 0 if all(r.status in PASSING for r in results) else 1
+
+
+class CheckState:
+    """What a step reads of the running check: its output folder, dry-run flag and time left.
+
+    The steps are typed against this (not the runner, `check.Check`, which imports every step):
+    the imports stay one way.
+    """
+
+    def __init__(self, outdir: Path, *, dry_run: bool, budget_s: float) -> None:
+        self.out = outdir
+        self.dry = dry_run
+        self.deadline = time.monotonic() + budget_s
+        self.summary = outdir / "summary.json"
+
+    def remaining(self) -> float:
+        """Seconds left of the check's budget."""
+        return self.deadline - time.monotonic()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ci.gpu_check.summary import expect
 
 if TYPE_CHECKING:
-    from ci.gpu_check.check import Check
+    from ci.gpu_check.summary import CheckState
 
 SEQ_LEN = 8192 * 8
 LLAMA = "llama3-8b"
@@ -91,7 +91,7 @@ def _plain_item_raises(cu: Any) -> bool:
     return False
 
 
-def step(check: Check) -> dict[str, Any]:
+def step(check: CheckState) -> dict[str, Any]:
     """The sync rank over NCCL on CUDA (gloo on the CPU in a dry run); the FLOPs agree with the CPU's."""
     from megatron_testkit.ranks import run_ranks
 
