@@ -40,6 +40,7 @@ import torch
 
 from fixtures.oracles import reference_stats  # numpy float64, independent of the inspector
 from fixtures.tensorboard import read_scalars
+from megatron_testkit import skips
 from megatron_testkit.metrics import EXACT, Comparison, MetricsRecorder, at_most, relative
 from megatron_testkit.ranks import run_ranks
 
@@ -153,6 +154,18 @@ def _nvdlfw_te_usable() -> bool:
     from fixtures.megatron import te_status
 
     return te_status()[0] and importlib.util.find_spec("nvdlfw_inspect") is not None
+
+
+def _require_te_and_nvdlfw() -> None:
+    """Skip, declaring the capability, where TE (with CUDA) or nvdlfw-inspect is missing."""
+    import torch
+
+    from fixtures.megatron import te_status
+
+    usable, reason = te_status()
+    if not usable:
+        skips.skip("te" if torch.cuda.is_available() else "cuda", reason)
+    skips.importorskip("nvdlfw_inspect", "nvdlfw")
 
 
 def tensor_inspect_rank(rank: int, world_size: int, out: str, bf16: bool | None = None) -> dict:
@@ -294,12 +307,20 @@ def _close_stat(stat: str, got: float, want: dict[str, float], te: bool) -> bool
     [
         pytest.param(None, id="default-precision", marks=pytest.mark.L0),
         pytest.param(True, id="bf16-float16module", marks=pytest.mark.L1),
+        # The GPU rows' variant: NCCL, TE's modules and nvdlfw-inspect's session (TE's statistics).
+        pytest.param("te", id="te-nvdlfw", marks=[pytest.mark.L0, pytest.mark.gpu]),
     ],
 )
 def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(
-    tmp_path: Path, bf16: bool | None, kit_metrics: MetricsRecorder
+    tmp_path: Path, bf16: bool | str | None, kit_metrics: MetricsRecorder
 ) -> None:
+    te_wanted = bf16 == "te"
+    if te_wanted:
+        _require_te_and_nvdlfw()
+        bf16 = None
     results = run_ranks(tensor_inspect_rank, 2, args=(str(tmp_path), bf16))
+    # Where TE and nvdlfw-inspect are present the run must have used them, not fallen back to hooks.
+    assert not te_wanted or all(res["backend"] == "te" for res in results), [r["backend"] for r in results]
     stats = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "nan_count", "inf_count")
     expected_layers = EXPECTED_LAYERS_BF16 if results[0]["bf16"] else EXPECTED_LAYERS
     assert bf16 is None or all(res["bf16"] for res in results), "the bf16 scenario did not run in bf16"
