@@ -1,4 +1,5 @@
-"""The kit's one reader of a process' memory from /proc: the peak (VmHWM) and the current RSS (VmRSS).
+"""The kit's one reader of a process' memory from /proc: the peak (VmHWM), the current RSS (VmRSS) and
+what a descendant adds (its private pages).
 
 VmHWM, not ``ru_maxrss``: Linux carries ``ru_maxrss`` over an exec, so a rank spawned from a large
 pytest process would report its parent's RSS as its own peak.
@@ -31,6 +32,27 @@ def rss_bytes(pid: int | str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def unique_bytes(pid: int | str) -> int | None:
+    """The memory only this process holds (USS: its private pages), from /proc/<pid>/smaps_rollup.
+
+    A descendant's share of a rank's memory: a forked child's RSS includes every copy-on-write
+    page it still shares with the rank (a checkpoint writer forked from a 600 MiB rank reads
+    600 MiB), which the kernel charges once. Its private pages are what it adds. Falls back to
+    VmRSS where smaps_rollup is missing (kernels before 4.14); None when the process is gone.
+    """
+    total = None
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Private_Clean:", "Private_Dirty:", "Private_Hugetlb:")):
+                    total = (total or 0) + int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        return rss_bytes(pid) if os.path.exists(f"/proc/{pid}") else None
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
 
 
 def current_rss_bytes() -> int:
@@ -68,18 +90,19 @@ def descendant_pids(pid: int | str = "self") -> list[int]:
 
 
 def tree_rss(pid: int | str = "self") -> tuple[int, list[tuple[int, int]]] | None:
-    """A process' resident set plus its descendants', sampled the same way (VmRSS of each).
+    """A process' resident set plus the memory its descendants add (each one's `unique_bytes`).
 
     Returns ``(total bytes, [(pid, bytes) of each descendant that holds memory])``; None when the
     process itself is gone. Memory a worker process holds (a DataLoader worker, a pool) is the
-    rank's as far as the runner's memory is concerned: the kernel charges it to the same job.
+    rank's as far as the runner's memory is concerned: the kernel charges it to the same job, and
+    pages a forked worker still shares with its parent once.
     """
     own = rss_bytes(pid)
     if own is None:
         return None
     parts = []
     for child in descendant_pids(pid):
-        size = rss_bytes(child)
+        size = unique_bytes(child)
         if size:
             parts.append((child, size))
     return own + sum(size for _, size in parts), parts

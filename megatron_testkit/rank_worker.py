@@ -214,7 +214,7 @@ class TreeMemory:
         if self._samples % self.refresh == 0:
             self._children = procfs.descendant_pids()
         self._samples += 1
-        parts = [(pid, size) for pid in self._children if (size := procfs.rss_bytes(pid))]
+        parts = [(pid, size) for pid in self._children if (size := procfs.unique_bytes(pid))]
         total = current_rss_bytes() + sum(size for _, size in parts)
         if total > self.peak:
             self.peak = total
