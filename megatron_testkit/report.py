@@ -206,8 +206,11 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
             continue
         budget = MemoryBudget(row["budget_host_bytes"], row["budget_device_bytes"]).describe()
         outcome = row["outcome"]
-        if row["failure"] and row["failure"].get("kind"):
-            outcome += f" (rank {row['failure']['rank']} {row['failure']['kind']})"
+        failure = row["failure"] or {}
+        if failure.get("kind"):
+            # A rank's verdict names the rank; a golden mismatch is the test's, not a rank's.
+            rank = failure.get("rank")
+            outcome += f" ({'' if rank is None else f'rank {rank} '}{failure['kind']})"
         out.append(
             (
                 row["nodeid"],

@@ -252,3 +252,20 @@ def test_a_ranks_peak_keeps_the_process_that_held_it() -> None:
     rows = collect(phase("t.py::a", "call", runs=[first, second]))
     (rank,) = report_of(rows)["tests"][0]["ranks"]
     assert (rank["peak_host_bytes"], rank["peak_process"]) == (900, "pid 2: big worker held 600 B")
+
+
+def test_a_golden_failure_is_the_tests_not_a_ranks() -> None:
+    session = {"host": "h", "gpus": 0}
+    row = {
+        "nodeid": "functional/test_x.py::test_golden",
+        "outcome": "failed",
+        "world_size": 2,
+        "failure": {
+            "rank": None,
+            "kind": "golden",
+            "first_line": "golden values: 1 value differs",
+            "message": "m",
+        },
+    }
+    table = format_table(build_report(session, [row]))
+    assert "failed (golden)" in table and "rank None" not in table
