@@ -186,10 +186,13 @@ def _plain_vector(lasts: list[int], n: int, squared: int, pack_len: int | None) 
 def _numpy_plain(bounds: np.ndarray, pack_len: int | None) -> list[int] | None:
     """`_plain_values` with numpy, a row at a time, a few passes per row; None: not well formed.
 
-    Every boundary of a well-formed row before its tail is >= 0, so no difference of two of them
-    wraps, even in int32; the squares are summed in float64 where that is exact (Σs² <= last² <
-    2**53 keeps every partial sum an exact integer), else in int64 (wrapping as the kernels do).
-    The reductions call the ufuncs themselves: `ndarray.min` adds a Python layer per call.
+    A row whose last boundary is below `_EXACT_FLOAT` is taken in float64: a row accepted there
+    rises from 0 to its last boundary without a decrease, so every value lies in [0, last], where
+    float64 is exact (a larger or negative value would need a float decrease on the way to
+    `last`), and Σs² <= last² < 2**53 keeps every partial sum exact. Other rows stay in their
+    integer type: every boundary of a well-formed row before its tail is >= 0, so no difference of
+    two of them wraps, even in int32; their squares are summed in int64 (wrapping as the kernels
+    do). The reductions call the ufuncs themselves: `ndarray.min` adds a Python layer per call.
     """
     lasts = []
     n = squared = 0
@@ -201,16 +204,21 @@ def _numpy_plain(bounds: np.ndarray, pack_len: int | None) -> list[int] | None:
             end -= 1
             if width - end > 16:  # a long tail: the vectorised path checks it in one pass
                 return None
-        if not end or row[0] or smallest(row[:end]) < 0:
+        if not end or row[0]:
             return None
         last = int(row[end - 1])
-        lengths = np.subtract(row[1:end], row[: end - 1])
+        exact_float = 0 <= last < _EXACT_FLOAT
+        body = row[:end].astype(np.float64) if exact_float else row[:end]
+        if not exact_float and smallest(body) < 0:
+            return None
+        lengths = np.subtract(body[1:], body[:-1])
         if end > 1:
             shortest = smallest(lengths)
             if shortest < 0:
                 return None
-            n += end - 1 if shortest else np.count_nonzero(lengths)  # no empty segment: all count
-        lengths = lengths.astype(np.float64 if last < _EXACT_FLOAT else np.int64)
+            n += end - 1 if shortest else int(np.count_nonzero(lengths))  # no empty segment: all count
+        if not exact_float:
+            lengths = lengths.astype(np.int64)
         squared += int(np.dot(lengths, lengths))
         lasts.append(last)
     return _plain_vector(lasts, n, squared, pack_len)
