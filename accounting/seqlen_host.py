@@ -34,6 +34,7 @@ _EXACT_FLOAT = 2**26  # a row total below it has Σs² < 2**53: exact in float64
 # Row totals up to this, over at most LOOP_LIMIT rows, square-sum below 2**63 (LOOP_LIMIT * 2**56):
 # no int64 counter can trip and no sum of a microbatch wraps, so `plain_step` need not check.
 _SMALL = 2**28
+_PAST = float("inf")  # `plain_step`'s previous boundary once a row's tail began: any value after it decreases
 
 
 class _Wide(Exception):
@@ -107,27 +108,26 @@ def plain_step(staged: list[tuple[list[list[int]], int | None]]) -> list[int] | 
         for row in rows:
             if row[0]:
                 return None
-            prev = zeros = 0
+            prev = last = skipped = 0  # skipped: boundaries that end no segment (the leading 0 too)
             for value in row:
                 length = value - prev
                 if length > 0:
                     squared += length * length
                     prev = value
-                elif not length:
-                    zeros += 1  # the leading 0 too: a row of `end` boundaries has end - zeros segments
-                else:  # a decrease: the start of a -1 tail, or out of order
+                elif length:  # a -1 tail, or out of order; past a tail, every value must be -1
                     if value != -1:
                         return None
-                    end = row.index(-1)
-                    if row.count(-1) != len(row) - end:
-                        return None
-                    n += end - zeros
-                    break
-            else:
-                n += len(row) - zeros
-            if prev > limit:
+                    if prev is not _PAST:
+                        last, prev = prev, _PAST
+                    skipped += 1
+                else:
+                    skipped += 1
+            if prev is not _PAST:
+                last = prev
+            if last > limit:
                 return None
-            tokens += prev
+            n += len(row) - skipped
+            tokens += last
         padded += len(rows) * pack_len if pack_len is not None else tokens - before
     return [n, tokens, squared, padded, squared, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 
