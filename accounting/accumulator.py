@@ -46,7 +46,7 @@ from accounting.parallel_layout import (
     check_dp_group,
 )
 from accounting.seqlen_fields import FIELDS, MALFORMED, MALFORMED_AT, wrap_int64
-from accounting.seqlen_host import host_values
+from accounting.seqlen_host import LOOP_LIMIT, buffer_values, host_values, list_values, plain_step
 from accounting.seqlens import (
     SeqlenStats,
     check_boundaries,
@@ -63,6 +63,11 @@ __all__ = ["FlopsAccumulator"]
 _COUNTERS = ("total_flops", "hardware_total_flops", "total_tokens", "total_padded_tokens", "steps")
 _COUNT_ON = ("auto", "device")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# The common host case, checked in a few attribute reads: integer boundaries whose metadata alone
+# cannot be wrong, and a pack length whose total over at most LOOP_LIMIT rows stays under 2**63.
+_QUICK_DTYPES = frozenset({torch.int32, torch.int64})
+_TENSOR = torch.Tensor
+_QUICK_PACK_LEN = 2**56
 
 
 def _dist_ready() -> bool:
@@ -137,6 +142,7 @@ class FlopsAccumulator:
         self.validate = validate
         self.count_on = count_on
         self._host_path = count_on == "auto"
+        self._quick = packed and self._host_path  # then CPU boundaries may take add_microbatch's first branch
         self.total_flops = 0
         self.hardware_total_flops = 0
         self.total_tokens = 0
@@ -149,8 +155,12 @@ class FlopsAccumulator:
 
     def _reset_microbatches(self) -> None:
         self._host: list[list[int]] = []  # per host-counted microbatch, its statistics as ints
+        # per small host pack: its rows as lists (read at add_microbatch) and its pack length
+        self._rows: list[tuple[list[list[int]], int | None]] = []
         self._device_stats: list[torch.Tensor] = []  # per `stats=` microbatch held on a device, its vector
-        self._sources: list[tuple[str, int]] = []  # per counted microbatch: where its vector is, and which
+        # Where each microbatch's vector is (which list, which index), by microbatch index; the
+        # microbatches not named here are the `_rows` ones, in order.
+        self._sources: dict[int, tuple[str, int]] = {}
         self._staged.clear()
         self._local: tuple[SeqlenStats, torch.Tensor | None] | None = None
         self._dense = SeqlenStats.zeros(window_size=self.window)
@@ -174,6 +184,29 @@ class FlopsAccumulator:
         when given (the configured, un-CP-sliced length), else `tokens.shape[-1]`. Dense: the
         batch is `micro_batch_size` (else `tokens.shape[0]`) x `seq_len` (else `tokens.shape[1]`).
         """
+        if (
+            type(cu_seqlens) is _TENSOR
+            and self._quick
+            and cu_seqlens_padded is None
+            and stats is None
+            and tokens is None
+            and vp_stage is None
+            and self.layout is None
+            and not self.validate
+            and (seq_len is None or (type(seq_len) is int and 0 <= seq_len < _QUICK_PACK_LEN))
+            and cu_seqlens.is_cpu
+            and cu_seqlens.dtype in _QUICK_DTYPES
+            and (size := cu_seqlens.numel()) > 0
+            and 0 < (dims := cu_seqlens.dim()) < 3
+        ):  # the common host case in a few reads (`_add_packed` checks the rest): no function layer
+            if size <= LOOP_LIMIT:  # its rows as lists, counted with the step's others at resolve
+                self._rows.append((cu_seqlens.tolist() if dims == 2 else [cu_seqlens.tolist()], seq_len))
+            else:
+                self._sources[self.num_microbatches] = ("host", len(self._host))
+                self._host.append(buffer_values(cu_seqlens, window=self.window, pack_len=seq_len))
+            self._local = None
+            self.num_microbatches += 1
+            return
         if self.layout is not None:
             seq_len = self.layout.length_to_count(tokens, seq_len, vp_stage)
         if vp_stage not in (None, 0):
@@ -201,11 +234,11 @@ class FlopsAccumulator:
         check_pack_len(pack_len, rows)
         if self._host_path and on_host(cu_seqlens, cu_seqlens_padded):
             values = host_values(cu_seqlens, cu_seqlens_padded, two_d, window=self.window, pack_len=pack_len)
-            self._sources.append(("host", len(self._host)))
+            self._sources[self.num_microbatches] = ("host", len(self._host))
             self._host.append(values)
             return
         width = cu_seqlens.shape[-1]
-        self._sources.append(("staged", len(self._staged)))
+        self._sources[self.num_microbatches] = ("staged", len(self._staged))
         self._staged.add(cu_seqlens, cu_seqlens_padded, rows, width, pack_len)
 
     def _add_stats(self, stats: SeqlenStats, cu_seqlens, cu_seqlens_padded) -> None:
@@ -224,10 +257,10 @@ class FlopsAccumulator:
             )
         held = stats.held_ints()
         if held is not None:
-            self._sources.append(("host", len(self._host)))
+            self._sources[self.num_microbatches] = ("host", len(self._host))
             self._host.append(list(held))
         else:
-            self._sources.append(("device", len(self._device_stats)))
+            self._sources[self.num_microbatches] = ("device", len(self._device_stats))
             self._device_stats.append(stats.to_vector())
 
     def _add_dense(self, tokens, seq_len, micro_batch_size) -> None:
@@ -254,8 +287,9 @@ class FlopsAccumulator:
         if self._local is not None:
             return self._local
         host = None
-        if self._host:
-            host = list(map(sum, zip(*self._host, strict=True)))
+        if self._host or self._rows:
+            parts = self._host + self._rows_values(totals=True)
+            host = parts[0] if len(parts) == 1 else list(map(sum, zip(*parts, strict=True)))
             if min(host) < _INT64_MIN or max(host) > _INT64_MAX:  # as int64 sums wrap
                 host = [wrap_int64(v) for v in host]
         device_parts, per_staged = [], None
@@ -363,6 +397,15 @@ class FlopsAccumulator:
         self._reset_microbatches()
         return breakdown.total
 
+    def _rows_values(self, *, totals: bool = False) -> list[list[int]]:
+        """The vectors of the packs held as rows: their sum in one pass when `totals` and they allow it."""
+        if not self._rows:
+            return []
+        summed = plain_step(self._rows) if totals and self.window is None else None
+        if summed is not None:
+            return [summed]
+        return [list_values(rows, None, self.window, pack_len) for rows, pack_len in self._rows]
+
     def _per_microbatch(self) -> list[list[int]]:
         """This rank's vector of each counted microbatch, in order (reads the device ones: one sync)."""
         staged = self._local_totals()[1]
@@ -371,7 +414,11 @@ class FlopsAccumulator:
             "staged": staged.tolist() if staged is not None else [],
             "device": torch.stack(self._device_stats).tolist() if self._device_stats else [],
         }
-        return [read[source][index] for source, index in self._sources]
+        rows = iter(self._rows_values())
+        return [
+            read[found[0]][found[1]] if (found := self._sources.get(index)) else next(rows)
+            for index in range(self.num_microbatches)
+        ]
 
     def _malformed_message(self, values: dict[str, int]) -> str:
         """Which of this rank's microbatches were malformed and how (reads their counters: one sync)."""

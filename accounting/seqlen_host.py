@@ -20,7 +20,7 @@ import torch
 
 from accounting.seqlen_fields import INT64_LIMIT, KINDS, wrap_int64
 
-__all__ = ["LOOP_LIMIT", "host_values"]
+__all__ = ["LOOP_LIMIT", "buffer_values", "host_values", "list_values", "plain_step"]
 
 Window = tuple[int, int]
 
@@ -31,6 +31,10 @@ LOOP_LIMIT = 96
 _SPREAD = 2**31
 _TOP = 2**63
 _EXACT_FLOAT = 2**26  # a row total below it has Σs² < 2**53: exact in float64
+# Row totals up to this, over at most LOOP_LIMIT rows, square-sum below 2**63 (LOOP_LIMIT * 2**56):
+# no int64 counter can trip and no sum of a microbatch wraps, so `plain_step` need not check.
+_SMALL = 2**28
+_PAST = float("inf")  # `plain_step`'s previous boundary once a row's tail began: any value after it decreases
 
 
 class _Wide(Exception):
@@ -56,20 +60,76 @@ def host_values(
         rows, prows = cu.tolist(), None if padded is None else padded.tolist()
         if not two_d:
             rows, prows = [rows], None if prows is None else [prows]
-        try:
-            if prows is None and window is None:
-                plain = _plain_values(rows, pack_len)
-                if plain is not None:
-                    return plain
-            return _loop_values(rows, prows, window, pack_len)
-        except _Wide:
-            pass  # values too far apart for the exact-int loop: numpy wraps as the kernels do
-    real = _array(cu)
+        return list_values(rows, prows, window, pack_len)
+    return _array_values(_array(cu), None if padded is None else _array(padded), window, pack_len)
+
+
+def buffer_values(cu: torch.Tensor, *, window: Window | None, pack_len: int | None) -> list[int]:
+    """`host_values` of checked CPU boundaries without padded ones, with numpy on their buffer."""
+    return _array_values(_array(cu), None, window, pack_len)
+
+
+def list_values(
+    rows: list[list[int]], prows: list[list[int]] | None, window: Window | None, pack_len: int | None
+) -> list[int]:
+    """The statistics vector of boundary rows read into lists (each row a list of ints)."""
+    try:
+        if prows is None and window is None:
+            plain = _plain_values(rows, pack_len)
+            if plain is not None:
+                return plain
+        return _loop_values(rows, prows, window, pack_len)
+    except _Wide:  # values too far apart for the exact-int loop: numpy wraps as the kernels do
+        as_array = None if prows is None else np.array(prows, dtype=np.int64)
+        return _array_values(np.array(rows, dtype=np.int64), as_array, window, pack_len)
+
+
+def _array_values(
+    real: np.ndarray, padded: np.ndarray | None, window: Window | None, pack_len: int | None
+) -> list[int]:
     if padded is None and window is None:
         plain = _numpy_plain(real, pack_len)
         if plain is not None:
             return plain
-    return _numpy_values(real, None if padded is None else _array(padded), window, pack_len)
+    return _numpy_values(real, padded, window, pack_len)
+
+
+def plain_step(staged: list[tuple[list[list[int]], int | None]]) -> list[int] | None:
+    """The summed vector of a step's microbatches, each `(rows, pack_len)`, in one pass over them all.
+
+    The common case only: boundaries without padded ones or a window, every row well formed (a 0,
+    boundaries that never decrease, an optional -1 tail), within its pack and under `_SMALL`; the
+    sums are exact ints (the caller wraps them as int64 sums would). None for anything else: then
+    `list_values` counts each microbatch, malformed rows included.
+    """
+    n = tokens = squared = padded = 0
+    for rows, pack_len in staged:
+        limit, before = _SMALL if pack_len is None or pack_len > _SMALL else pack_len, tokens
+        for row in rows:
+            if row[0]:
+                return None
+            prev = last = skipped = 0  # skipped: boundaries that end no segment (the leading 0 too)
+            for value in row:
+                length = value - prev
+                if length > 0:
+                    squared += length * length
+                    prev = value
+                elif length:  # a -1 tail, or out of order; past a tail, every value must be -1
+                    if value != -1:
+                        return None
+                    if prev is not _PAST:
+                        last, prev = prev, _PAST
+                    skipped += 1
+                else:
+                    skipped += 1
+            if prev is not _PAST:
+                last = prev
+            if last > limit:
+                return None
+            n += len(row) - skipped
+            tokens += last
+        padded += len(rows) * pack_len if pack_len is not None else tokens - before
+    return [n, tokens, squared, padded, squared, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 
 
 # ---------------------------------------------------------------- the loop, for small packs
@@ -126,33 +186,42 @@ def _plain_vector(lasts: list[int], n: int, squared: int, pack_len: int | None) 
 def _numpy_plain(bounds: np.ndarray, pack_len: int | None) -> list[int] | None:
     """`_plain_values` with numpy, a row at a time, a few passes per row; None: not well formed.
 
-    Every boundary of a well-formed row before its tail is >= 0, so no difference of two of them
-    wraps, even in int32; the squares are summed in float64 where that is exact (Σs² <= last² <
-    2**53 keeps every partial sum an exact integer), else in int64 (wrapping as the kernels do).
+    A row whose last boundary is below `_EXACT_FLOAT` is taken in float64: a row accepted there
+    rises from 0 to its last boundary without a decrease, so every value lies in [0, last], where
+    float64 is exact (a larger or negative value would need a float decrease on the way to
+    `last`), and Σs² <= last² < 2**53 keeps every partial sum exact. Other rows stay in their
+    integer type: every boundary of a well-formed row before its tail is >= 0, so no difference of
+    two of them wraps, even in int32; their squares are summed in int64 (wrapping as the kernels
+    do). The reductions call the ufuncs themselves: `ndarray.min` adds a Python layer per call.
     """
     lasts = []
     n = squared = 0
     width = bounds.shape[-1]
+    smallest = np.minimum.reduce
     for row in bounds:
         end = width
         while end and row[end - 1] == -1:
             end -= 1
             if width - end > 16:  # a long tail: the vectorised path checks it in one pass
                 return None
-        body = row[:end]
-        if not end or body[0] or body.min() < 0:
+        if not end or row[0]:
+            return None
+        last = int(row[end - 1])
+        exact_float = 0 <= last < _EXACT_FLOAT
+        body = row[:end].astype(np.float64) if exact_float else row[:end]
+        if not exact_float and smallest(body) < 0:
             return None
         lengths = np.subtract(body[1:], body[:-1])
-        shortest = lengths.min() if lengths.size else 1
-        if shortest < 0:
-            return None
-        last = int(body[-1])
-        n += lengths.size if shortest > 0 else np.count_nonzero(lengths)  # no empty segment: all count
-        as_float = last < _EXACT_FLOAT
-        lengths = lengths.astype(np.float64 if as_float else np.int64)
+        if end > 1:
+            shortest = smallest(lengths)
+            if shortest < 0:
+                return None
+            n += end - 1 if shortest else int(np.count_nonzero(lengths))  # no empty segment: all count
+        if not exact_float:
+            lengths = lengths.astype(np.int64)
         squared += int(np.dot(lengths, lengths))
         lasts.append(last)
-    return _plain_vector(lasts, int(n), squared, pack_len)
+    return _plain_vector(lasts, n, squared, pack_len)
 
 
 def _row(row: list[int]) -> tuple[list[int], int, bool, bool]:

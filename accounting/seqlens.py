@@ -113,8 +113,11 @@ class SeqlenStats:
         self._set(None, None, (*values, *(named[n] for n in names)), window)
 
     def _set(self, ints, vector, tensors, window) -> None:
-        for slot, value in (("_ints", ints), ("_vector", vector), ("_fields", tensors), ("window", window)):
-            object.__setattr__(self, slot, value)
+        set_ints, set_vector, set_fields, set_window = _SLOT_SETTERS  # past the refusing __setattr__
+        set_ints(self, ints)
+        set_vector(self, vector)
+        set_fields(self, tensors)
+        set_window(self, window)
 
     @classmethod
     def _from_ints(cls, values: list[int] | tuple[int, ...], window: Window | None) -> SeqlenStats:
@@ -239,6 +242,11 @@ class SeqlenStats:
 
 for _i, _name in enumerate(FIELDS):
     setattr(SeqlenStats, _name, _field(_i, _name))
+# The slots' own setters: statistics are made once per step at least, and a slot's setter is
+# about half the cost of `object.__setattr__` by name.
+_SLOT_SETTERS = tuple(
+    SeqlenStats.__dict__[slot].__set__ for slot in ("_ints", "_vector", "_fields", "window")
+)
 
 
 def _from_vector_kw(vector: torch.Tensor, window: Window | None) -> SeqlenStats:

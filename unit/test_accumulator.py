@@ -522,3 +522,17 @@ def test_host_and_device_paths_wrap_a_step_sum_past_int64_alike():
             acc.add_microbatch(cu_seqlens=cu)
     assert host.local_stats().to_dict() == device.local_stats().to_dict()
     assert host.local_stats().to_dict()["squared"] == 4 * (2**31 - 1) ** 2 - 2**64 == -(2**34) + 4
+
+
+@pytest.mark.parametrize("docs", [3, 400])
+def test_a_host_pack_is_counted_as_it_was_when_added(docs):
+    # Small host packs are read at add_microbatch and counted at resolve, large ones counted at
+    # once: either way, a data loader that refills its buffer in place afterwards changes nothing.
+    cu = torch.arange(0, 2 * docs + 1, 2, dtype=torch.int32)  # documents of 2 tokens
+    acc = FlopsAccumulator(packed=True)
+    acc.add_microbatch(cu_seqlens=cu, seq_len=2 * docs)
+    cu.mul_(3)  # refilled: documents of 6 tokens, beyond the pack length
+    acc.add_microbatch(cu_seqlens=cu, seq_len=6 * docs)
+    got = acc.local_stats().to_dict()
+    assert (got["num_sequences"], got["tokens"], got["squared"]) == (2 * docs, 8 * docs, 40 * docs)
+    assert got["malformed_rows"] == 0 and got["padded_tokens"] == 8 * docs

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting import SeqlenStats, seqlen_stats, validate_cu_seqlens
-from accounting.seqlen_fields import FIELDS
-from accounting.seqlen_host import LOOP_LIMIT, host_values
+from accounting.seqlen_fields import FIELDS, wrap_int64
+from accounting.seqlen_host import LOOP_LIMIT, host_values, plain_step
 from accounting.seqlens import seqlen_stats_vector
 from unit.strategies import DTYPES, FORMS, packs, raw_boundaries, stats_inputs, windows
 
@@ -421,6 +421,37 @@ def test_host_loop_and_numpy_give_exactly_the_kernels_vector(given):
     )
     assert stats.held_ints() is not None  # CPU boundaries: counted on the host, no kernel
     assert list(stats.to_dict().values()) == expected
+
+
+def _step_rows(inputs) -> list[tuple[list[list[int]], int | None]]:
+    """A step's microbatches as `FlopsAccumulator` holds small host packs: (rows as lists, pack length)."""
+    return [(cu.tolist() if cu.dim() == 2 else [cu.tolist()], pack_len) for cu, pack_len in inputs]
+
+
+def _summed_kernel_vectors(inputs) -> list[int]:
+    vectors = [seqlen_stats_vector(cu, pack_len=pack_len).tolist() for cu, pack_len in inputs]
+    return [wrap_int64(sum(column)) for column in zip(*vectors, strict=True)]
+
+
+@settings(max_examples=200)
+@given(st.lists(stats_inputs(), min_size=1, max_size=6))
+def test_one_pass_over_a_step_is_the_sum_of_each_microbatchs_kernel_vector_or_declines(drawn):
+    # Malformed rows included: the one-pass step count either declines (None: each microbatch is
+    # then counted on its own) or gives exactly the summed kernel vectors (no window, no padded).
+    inputs = [(given.cu_seqlens, given.pack_len) for given in drawn]
+    got = plain_step(_step_rows(inputs))
+    if got is not None:
+        assert [wrap_int64(v) for v in got] == _summed_kernel_vectors(inputs)
+
+
+@settings(max_examples=200)
+@given(st.lists(packs(), min_size=1, max_size=6), st.booleans())
+def test_one_pass_over_a_step_counts_every_well_formed_step(drawn, with_pack_len):
+    # Well-formed packs within their pack length never make it decline: the fast pass is the one taken.
+    inputs = [(pack.cu_seqlens(), pack.pack_len if with_pack_len else None) for pack in drawn]
+    got = plain_step(_step_rows(inputs))
+    assert got is not None and got == _summed_kernel_vectors(inputs)
+    assert got[1] == sum(sum(map(sum, pack.rows)) for pack in drawn)  # tokens, from the drawn lengths
 
 
 @pytest.mark.parametrize("docs", [1, 8, 200, 3000])
