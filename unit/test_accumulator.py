@@ -13,10 +13,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from accounting import FlopsAccumulator, ModelShape, SeqlenStats, seqlen_stats, training_flops
 from accounting.seqlens import normalize_window, seqlen_stats_vector
+from ci.benchmarks.accounting_packs import CountKernels  # the benchmarks' counter, one definition
 from unit.strategies import packs, stats_inputs
 
 pytestmark = pytest.mark.L0
@@ -282,18 +282,6 @@ def test_validate_mode_still_names_the_index_as_the_microbatch_is_added():
 def test_malformed_statistics_are_refused_by_training_flops_too():
     with pytest.raises(ValueError, match=r"^training_flops: the statistics count 1 malformed boundary row"):
         training_flops(SHAPE, seqlen_stats(torch.tensor([5, 10])))
-
-
-class CountKernels(TorchDispatchMode):
-    """Counts the ATen operators that are not views: each one a kernel launch on a GPU."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not func.is_view
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("count_on", ["auto", "device"])
