@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from fixtures.inner_session import run_inner_session
+from megatron_testkit.schema import REPORT_VERSION
 
 pytestmark = pytest.mark.L0
 
@@ -292,7 +293,7 @@ def test_good_pair_passes_and_its_peaks_are_reported(scenarios: dict[str, Any]) 
 
 def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) -> None:
     report, rows = scenarios["report"], scenarios["rows"]
-    assert report["version"] == 1
+    assert report["version"] == REPORT_VERSION == 2
     assert set(rows) == {
         "test_oom",
         "test_crash",

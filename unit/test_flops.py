@@ -287,12 +287,14 @@ def test_flops_are_monotone_in_every_size(shape, pack, what):
     before = training_flops(shape, stats)
     bigger, bigger_stats = shape, stats
     if what == "num_layers":
-        freq = shape.moe_layer_freq
-        freq = (*freq, 1) if isinstance(freq, tuple) else freq
-        # MTP layers copy the last layer's kind; a new last layer may turn them from MoE to dense.
-        assume(shape.mtp_num_layers == 0 or shape.num_moe_experts is None)
-        skip = shape.window_attn_skip_freq
-        skip = (*skip, 1) if isinstance(skip, tuple) else skip
+        # MTP layers copy the last layer's kind (MoE or dense, windowed or full), so the new layer
+        # goes before the last one; with a frequency instead of a per-layer pattern a new last
+        # layer may turn them from MoE to dense or from full to windowed attention.
+        freq, skip = shape.moe_layer_freq, shape.window_attn_skip_freq
+        assume(shape.mtp_num_layers == 0 or shape.num_moe_experts is None or isinstance(freq, tuple))
+        assume(shape.mtp_num_layers == 0 or shape.window_size is None or isinstance(skip, tuple))
+        freq = (*freq[:-1], 1, freq[-1]) if isinstance(freq, tuple) else freq
+        skip = (*skip[:-1], 1, skip[-1]) if isinstance(skip, tuple) else skip
         bigger = dataclasses.replace(
             shape, num_layers=shape.num_layers + 1, moe_layer_freq=freq, window_attn_skip_freq=skip
         )
@@ -556,3 +558,27 @@ def test_the_known_fields_cover_every_field_of_the_installed_megatron_core():
 
     missing = {f.name for f in dataclasses.fields(MLATransformerConfig)} - KNOWN_FIELDS
     assert not missing
+
+
+def test_a_new_last_layer_changes_what_the_mtp_layers_copy():
+    # Why the monotonicity property above inserts its new layer before the last one: MTP layers
+    # repeat the last layer's kind, so a windowed new last layer makes the MTP layer windowed too.
+    shape = ModelShape(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=4,
+        vocab_size=64,
+        ffn_hidden_size=32,
+        mtp_num_layers=1,
+        window_size=(0, 0),
+        window_attn_skip_freq=(0,),
+        causal=False,
+    )
+    stats = seqlen_stats(torch.tensor([0, 55]), window_size=shape.window_size)
+    appended = dataclasses.replace(shape, num_layers=2, window_attn_skip_freq=(0, 1))
+    inserted = dataclasses.replace(shape, num_layers=2, window_attn_skip_freq=(1, 0))
+    full_pairs = 55 * 55  # causal=False: every pair, for the full layer and its MTP copy
+    core = training_flops(shape, stats).terms["core_attention"]
+    assert training_flops(appended, stats).terms["core_attention"] < core  # the MTP layer got windowed
+    assert training_flops(inserted, stats).terms["core_attention"] > core
+    assert core % full_pairs == 0

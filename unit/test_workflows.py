@@ -482,7 +482,7 @@ def test_the_job_command_prints_what_it_runs() -> None:
         (("job", "L0-cpu", "L1-cpu"), "expected one job name"),
         (("job", "L0-cpu", "--fast"), "unknown option '--fast'"),
         (("jobs",), "unknown command 'jobs'"),
-        ((), "no command given: expected one of job, repro, chart, merge-reports, gpu-check, bench, golden"),
+        ((), "no command given: expected one of job, repro, chart, merge-reports, gpu-check, golden, bench"),
         (("job", "L0-cpu", "--dry-run", "L1-cpu"), "expected one job name"),
         (("chart", "a.json", "b.json"), "expected at most one report path"),
         (("gpu-check",), "python -m ci gpu-check: error: the following arguments are required: OUTDIR"),
