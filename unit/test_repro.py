@@ -816,7 +816,11 @@ def test_huge_counts_and_strings_are_refused_in_bounded_memory(
     session: dict[str, Any], tests: list[dict[str, Any]], says: str, tmp_path: Path
 ) -> None:
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({"version": 1, "session": {"markexpr": "L0", **session}, "tests": tests}))
+    with path.open("w") as f:  # entry by entry: one 30 MB string would stay in this process' heap
+        f.write(json.dumps({"version": 1, "session": {"markexpr": "L0", **session}})[:-1] + ', "tests": [')
+        for i, test in enumerate(tests):
+            f.write(("," if i else "") + json.dumps(test))
+        f.write("]}")
     # 1 GiB of address space: the interpreter and repro need ~100 MiB; the old code needed 800 MB+
     # for CUDA_VISIBLE_DEVICES from gpus = 10^7 alone.
     result = _ci(["repro", "--from-report", str(path), "--root", str(tmp_path), "--dry-run"])
