@@ -65,7 +65,7 @@ class Verdict:
     @property
     def cause(self) -> str:
         """``"rank 1 oom"``, ``"error"`` (a failure in the pytest process), ``"passed"``..."""
-        if self.outcome not in FAILED or self.outcome == "interrupted":
+        if self.outcome not in ("failed", "error"):  # passed, skipped, interrupted: the outcome says it
             return self.outcome
         kind = self.kind or "error"
         return f"rank {self.rank} {kind}" if self.rank is not None else kind
