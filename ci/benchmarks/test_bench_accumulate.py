@@ -11,8 +11,11 @@ One step is 8 microbatches of a 1-D int32 cu_seqlens (random lengths, a -1 tail)
 - `step_loop` (baseline): `.tolist()` and a Python loop per microbatch (documents, tokens, Σs²
   only: it checks nothing), which on a GPU is also a sync per microbatch.
 
-`ci/bench_compare.py` compares subject/baseline medians run against run. On a loaded machine use
-a CPU-time timer, and read medians:
+`ci/bench_compare.py` compares subject/baseline medians run against run. Those groups time each
+variant in its own test, one after the other; a machine whose speed drifts between tests (a
+shared runner) moves their ratio. `test_step_interleaved` times ours and the loop alternately,
+round by round, in one test, and records their medians and ratios (`loop_over_host`, and
+`loop_over_loader` for statistics made in the data loader): the figures to quote. On a loaded machine use a CPU-time timer, and read medians:
 
     python -m pytest ci/benchmarks/test_bench_accumulate.py --benchmark-only \\
         --benchmark-timer=time.process_time --benchmark-columns=median,iqr,rounds -p no:cacheprovider
@@ -23,10 +26,13 @@ on `meta` tensors: per microbatch and per step) and asserts their structure.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import pytest
 import torch
 
-from accounting import FlopsAccumulator
+from accounting import FlopsAccumulator, seqlen_stats
 from ci.benchmarks.accounting_packs import PACK_LEN, CountKernels, make_pack, syncing_stats
 
 pytestmark = [pytest.mark.L2]
@@ -100,6 +106,57 @@ def test_step_loop(benchmark, docs: int) -> None:
         _loop_step, args=(packs,), rounds=ROUNDS[docs], warmup_rounds=2
     )
     assert docs_seen == sum(docs + i for i in range(MICROBATCHES))
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("docs", [8, 512, 8192])
+def test_step_interleaved(benchmark, docs: int) -> None:
+    # One round = one step each of: ours on the boundaries (`host`), ours on statistics the data
+    # loader made (`loader`: `seqlen_stats` in the collate function, outside the step, so outside
+    # the timing), and the loop; in rotating order, each timed with the process's CPU clock, a fresh
+    # accumulator made outside the timing.
+    packs = _packs(docs)
+    made = [seqlen_stats(cu, pack_len=PACK_LEN) for cu in packs]
+    times: dict[str, list[float]] = {"host": [], "loader": [], "loop": []}
+    clock = time.process_time
+
+    def host() -> None:
+        acc = FlopsAccumulator(packed=True)
+        start = clock()
+        _step(acc, packs)
+        times["host"].append(clock() - start)
+
+    def loader() -> None:
+        acc = FlopsAccumulator(packed=True)
+        start = clock()
+        for stats in made:
+            acc.add_microbatch(stats=stats)
+        acc.resolve()
+        times["loader"].append(clock() - start)
+
+    def loop() -> None:
+        start = clock()
+        _loop_step(packs)
+        times["loop"].append(clock() - start)
+
+    sides = (host, loader, loop)
+
+    def one_round() -> None:
+        first = len(times["loop"]) % len(sides)
+        for side in sides[first:] + sides[:first]:
+            side()
+
+    benchmark.group = f"accounting-step-{docs}docs-interleaved"
+    benchmark.pedantic(one_round, rounds=ROUNDS[docs], warmup_rounds=0)
+    medians = {side: statistics.median(times[side][4:]) for side in times}  # past a warm-up
+    benchmark.extra_info.update(
+        docs=docs,
+        microbatches=MICROBATCHES,
+        **{f"{side}_us": round(value * 1e6, 2) for side, value in medians.items()},
+        loop_over_host=round(medians["loop"] / medians["host"], 2),
+        loop_over_loader=round(medians["loop"] / medians["loader"], 2),
+    )
+    assert all(len(times[side]) == ROUNDS[docs] for side in times)
 
 
 def _kernels(docs: int, microbatches: int, device: str, count_on: str) -> tuple[int, int]:
