@@ -2,10 +2,13 @@
 
 Shared runners are noisy: an absolute time says more about the neighbours than about the code.
 Each benchmark group of ``ci/benchmarks`` holds the kit's code (``extra_info["role"] ==
-"subject"``) and what it is compared with in the same run (``"baseline"``: the syncing loop,
-``torch.multiprocessing.spawn``, a step without the inspector). The figure compared run against
-run is ``median(subject) / median(baseline)``; lower is better. A ratio that grew by more than
-the tolerance (default 25%) is a regression. `python -m ci bench --compare BASELINE` uses this.
+"subject"``) and what it is compared with in the same run (``"baseline"``: ``torch.multiprocessing.spawn``,
+a step without the inspector). The figure compared run against run is ``median(subject) /
+median(baseline)``; lower is better. A benchmark that times its variants round by round in one
+test (steadier than two tests' medians when the machine's speed drifts between tests) records its
+own such ratios instead, as ``extra_info["ratios"] = {"subject / baseline": value}``. A ratio
+that grew by more than the tolerance (default 25%) is a regression. `python -m ci bench --compare
+BASELINE` uses this.
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def ratios(data: dict[str, Any]) -> dict[str, float]:
-    """``{"group: subject / baseline": median ratio}`` for every subject of every group."""
+    """``{"group: subject / baseline": ratio}``: every subject of every group, every recorded ratio."""
     groups: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for bench in data["benchmarks"]:
-        role = (bench.get("extra_info") or {}).get("role")
-        if role in ("subject", "baseline"):
-            groups.setdefault(bench.get("group") or bench["name"], {}).setdefault(role, []).append(bench)
     out = {}
+    for bench in data["benchmarks"]:
+        extra = bench.get("extra_info") or {}
+        out.update(_recorded(bench, extra.get("ratios")))
+        if extra.get("role") in ("subject", "baseline"):
+            groups.setdefault(bench.get("group") or bench["name"], {}).setdefault(extra["role"], []).append(
+                bench
+            )
     for group, roles in sorted(groups.items()):
         baselines = roles.get("baseline", [])
         if len(baselines) > 1:
@@ -54,6 +60,21 @@ def ratios(data: dict[str, Any]) -> dict[str, float]:
         for subject in roles.get("subject", []):
             key = f"{group}: {_short(subject['name'])} / {_short(base['name'])}"
             out[key] = subject["stats"]["median"] / base["stats"]["median"]
+    return out
+
+
+def _recorded(bench: dict[str, Any], recorded: Any) -> dict[str, float]:
+    """The ratios a benchmark measured itself (``extra_info["ratios"]``), keyed by its group."""
+    if recorded is None:
+        return {}
+    where = f"benchmark {bench.get('name')!r}: extra_info['ratios']"
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{where} must map 'subject / baseline' to a ratio, got {type(recorded).__name__}")
+    out = {}
+    for name, value in recorded.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{where}[{name!r}] = {value!r}: a ratio is a number > 0")
+        out[f"{bench.get('group') or bench['name']}: {name}"] = float(value)
     return out
 
 
@@ -194,10 +215,10 @@ def markdown_table(rows: list[Row], against: str, verdict: str, tolerance: float
 
 
 def figures(data: dict[str, Any]) -> list[str]:
-    """One line per benchmark that recorded figures in ``extra_info`` (beyond its role): what a person reads."""
+    """One line per benchmark that recorded figures in ``extra_info`` (beyond its role and ratios): what a person reads."""
     lines = []
     for bench in data["benchmarks"]:
-        extra = {k: v for k, v in (bench.get("extra_info") or {}).items() if k != "role"}
+        extra = {k: v for k, v in (bench.get("extra_info") or {}).items() if k not in ("role", "ratios")}
         if extra:
             shown = ", ".join(f"{k}={_figure(v)}" for k, v in extra.items())
             lines.append(f"{_short(bench['name'])}: {shown}")

@@ -42,6 +42,54 @@ def test_ratios_are_subject_over_baseline_within_a_group(tmp_path: Path) -> None
     assert bench_compare.ratios(bench_compare.load(run)) == {"g: ours / loop": 0.25}
 
 
+def _recorded_run(path: Path, when: str, recorded: object) -> Path:
+    """A run of one benchmark that timed its variants round by round and recorded their ratios."""
+    bench = {
+        "group": "acc",
+        "name": "test_step[8]",
+        "stats": {"median": 1.0},
+        "extra_info": {"ratios": recorded},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"datetime": when, "benchmarks": [bench]}))
+    return path
+
+
+@pytest.mark.L0
+def test_ratios_a_benchmark_recorded_are_compared_like_group_ratios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"
+    first = _recorded_run(store / "1.json", "2026-01-01", {"host / loop": 1.3, "loader / loop": 0.8})
+    assert bench_compare.ratios(bench_compare.load(first)) == {
+        "acc: host / loop": 1.3,
+        "acc: loader / loop": 0.8,
+    }
+    # Within the tolerance: same; the host ratio 40% up: regressed, named by group and ratio.
+    _recorded_run(store / "2.json", "2026-01-02", {"host / loop": 1.4, "loader / loop": 0.8})
+    assert bench_compare.report(store / "2.json", store) == 0
+    capsys.readouterr()
+    _recorded_run(store / "3.json", "2026-01-03", {"host / loop": 1.96, "loader / loop": 0.8})
+    assert bench_compare.report(store / "3.json", store) == 1
+    out = capsys.readouterr().out
+    assert "acc: host / loop" in out and "1.400      1.960  regressed" in out
+    # What a person reads leaves the ratios to the table.
+    assert bench_compare.figures(bench_compare.load(first)) == []
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize(
+    "recorded",
+    [[1.3], {"host / loop": "fast"}, {"host / loop": 0}, {"host / loop": -1.0}, {"host / loop": True}],
+)
+def test_a_recorded_ratio_that_is_not_a_positive_number_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], recorded: object
+) -> None:
+    bad = _recorded_run(tmp_path / "bad.json", "2026-01-01", recorded)
+    assert bench_compare.report(bad) == 2
+    assert "test_step[8]" in capsys.readouterr().err
+
+
 @pytest.mark.L0
 def test_a_machine_twice_as_slow_is_no_regression_but_a_relative_slowdown_is(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
