@@ -1,9 +1,9 @@
 """`python -m ci bench [--compare BASELINE] [pytest args]`: run the benchmarks of ci/benchmarks, save, compare.
 
 The one way to run a benchmark: pytest with pytest-benchmark on ``ci/benchmarks`` (everything
-in it), the run saved as JSON under reports/benchmarks/, then each group's ratio
-``median(subject) / median(baseline)`` printed (`ci.bench_compare`), with the figures the
-benchmarks recorded. With ``--compare`` (a run's JSON, or a directory of runs) a ratio that grew
+in it), the run saved as JSON under reports/benchmarks/, then the ratios printed (`ci.bench_compare`:
+the ones each benchmark measured round by round and recorded, and ``median(subject) /
+median(baseline)`` of any group of separate tests), with the figures the benchmarks recorded. With ``--compare`` (a run's JSON, or a directory of runs) a ratio that grew
 past ``--tolerance`` is a regression and the exit code is 1. Other arguments go to pytest
 (``-k inspect``, ``--benchmark-min-rounds=10``). ``--run RUN.json`` prints and compares a saved
 run instead of running anything. ``--history DIR`` is the nightly row's: the run is saved into DIR

@@ -1,14 +1,13 @@
 """Compare a pytest-benchmark run with a baseline run, by ratios measured within each run.
 
 Shared runners are noisy: an absolute time says more about the neighbours than about the code.
-Each benchmark group of ``ci/benchmarks`` holds the kit's code (``extra_info["role"] ==
-"subject"``) and what it is compared with in the same run (``"baseline"``: ``torch.multiprocessing.spawn``,
-a step without the inspector). The figure compared run against run is ``median(subject) /
-median(baseline)``; lower is better. A benchmark that times its variants round by round in one
-test (steadier than two tests' medians when the machine's speed drifts between tests) records its
-own such ratios instead, as ``extra_info["ratios"] = {"subject / baseline": value}``. A ratio
-that grew by more than the tolerance (default 25%) is a regression. `python -m ci bench --compare
-BASELINE` uses this.
+Each benchmark of ``ci/benchmarks`` times the kit's code and what it is compared with (the syncing
+loop, ``torch.multiprocessing.spawn``, a step without the inspector) round by round in one test,
+and records the ratio of their medians itself: ``extra_info["ratios"] = {"subject / baseline":
+value}``. A group of separate tests marked ``extra_info["role"]`` (``"subject"``, ``"baseline"``)
+gives ``median(subject) / median(baseline)`` instead, which drifts with the machine's speed
+between the tests. Lower is better. A ratio that grew by more than the tolerance (default 25%) is
+a regression. `python -m ci bench --compare BASELINE` uses this.
 """
 
 from __future__ import annotations

@@ -42,10 +42,10 @@ def test_ratios_are_subject_over_baseline_within_a_group(tmp_path: Path) -> None
     assert bench_compare.ratios(bench_compare.load(run)) == {"g: ours / loop": 0.25}
 
 
-def _recorded_run(path: Path, when: str, recorded: object) -> Path:
+def _recorded_run(path: Path, when: str, recorded: object, group: str = "acc") -> Path:
     """A run of one benchmark that timed its variants round by round and recorded their ratios."""
     bench = {
-        "group": "acc",
+        "group": group,
         "name": "test_step[8]",
         "stats": {"median": 1.0},
         "extra_info": {"ratios": recorded},
@@ -180,12 +180,10 @@ def test_bench_passes_what_it_does_not_know_to_pytest_on_every_benchmark(tmp_pat
 
 @pytest.mark.L1
 def test_python_m_ci_bench_runs_saves_prints_figures_and_fails_on_a_regression(tmp_path: Path) -> None:
-    """The launcher's no-op pair, one round each, against a baseline whose ratio no run can match."""
+    """The launcher's no-op pair, one round, against a baseline whose ratio no run can match."""
     group = "launch-noop-2ranks"
-    baseline = _run(
-        tmp_path / "baseline.json",
-        "2026-01-01",
-        {(group, "test_noop_run_ranks", "subject"): 1e-6, (group, "test_noop_torch_spawn", "baseline"): 1.0},
+    baseline = _recorded_run(
+        tmp_path / "baseline.json", "2026-01-01", {"run_ranks / torch_spawn": 1e-6}, group
     )
     saved = tmp_path / "run.json"
     result = subprocess.run(
@@ -198,11 +196,12 @@ def test_python_m_ci_bench_runs_saves_prints_figures_and_fails_on_a_regression(t
     )
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     run = bench_compare.load(saved)
-    assert sorted(b["name"] for b in run["benchmarks"]) == ["test_noop_run_ranks", "test_noop_torch_spawn"]
-    key = f"{group}: noop_run_ranks / noop_torch_spawn"
+    assert [b["name"] for b in run["benchmarks"]] == ["test_noop"]
+    key = f"{group}: run_ranks / torch_spawn"
     assert key in bench_compare.ratios(run)
     assert f"{key}      0.000" in result.stdout and "regressed" in result.stdout
-    assert "noop_run_ranks: startup_median_s=" in result.stdout  # the figures a person reads
+    figures = [line for line in result.stdout.splitlines() if line.startswith("  noop: ")]
+    assert len(figures) == 1 and "startup_median_s=" in figures[0], result.stdout  # what a person reads
 
 
 @pytest.mark.L0
@@ -273,10 +272,8 @@ def test_the_nightly_rows_command_saves_into_the_history_and_fails_on_a_regressi
     (project / "ci" / "setup.sh").write_text(f"#!/usr/bin/env bash\necho {sys.executable}\n")
     history, md = tmp_path / "history", tmp_path / "bench-report.md"
     group = "launch-noop-2ranks"
-    planted = _run(
-        history / "last-night.json",
-        "2000-01-01",
-        {(group, "test_noop_run_ranks", "subject"): 1e-6, (group, "test_noop_torch_spawn", "baseline"): 1.0},
+    planted = _recorded_run(
+        history / "last-night.json", "2000-01-01", {"run_ranks / torch_spawn": 1e-6}, group
     )
     command = JOBS["bench-cpu"].command()
     command[command.index("--history") + 1] = str(history)
@@ -293,5 +290,5 @@ def test_the_nightly_rows_command_saves_into_the_history_and_fails_on_a_regressi
     tonight = [path for path in history.iterdir() if path != planted]
     assert len(tonight) == 1 and bench_compare.load(tonight[0])["benchmarks"], "the run lands in the history"
     table = md.read_text()
-    assert f"| {group}: noop_run_ranks / noop_torch_spawn | 0.000 |" in table and "| regressed |" in table
+    assert f"| {group}: run_ranks / torch_spawn | 0.000 |" in table and "| regressed |" in table
     assert f"baseline: {planted}" in table
