@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from accounting import FlopsAccumulator, seqlen_stats
+from accounting import FlopsAccumulator, SeqlenStats, seqlen_stats
 from ci.benchmarks.accounting_packs import PACK_LEN, CountKernels, make_pack, syncing_stats
 
 pytestmark = [pytest.mark.L2]
@@ -84,37 +84,39 @@ def _loop_step(packs: list[torch.Tensor]) -> tuple[int, int, int]:
     return docs, tokens, squared
 
 
-def _steps(packs: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
-    """Each variant's step as a call, ours on a fresh accumulator (made before the call, not timed)."""
+def _subjects(packs: list[torch.Tensor]) -> dict[str, Callable[[FlopsAccumulator], SeqlenStats]]:
+    """Each of our variants' step on a given accumulator (`_fresh(side)`, made outside any timing)."""
     made = [seqlen_stats(cu, pack_len=PACK_LEN) for cu in packs]
     return {
-        "loop": lambda: _loop_step(packs),
-        "host": lambda acc=None: _step(acc or FlopsAccumulator(packed=True), packs),
-        "device_path": lambda acc=None: _step(acc or FlopsAccumulator(packed=True, count_on="device"), packs),
-        "loader": lambda acc=None: _loader_step(acc or FlopsAccumulator(packed=True), made),
+        "host": lambda acc: _step(acc, packs),
+        "device_path": lambda acc: _step(acc, packs),
+        "loader": lambda acc: _loader_step(acc, made),
     }
+
+
+def _fresh(side: str) -> FlopsAccumulator:
+    return FlopsAccumulator(packed=True, count_on="device" if side == "device_path" else "auto")
 
 
 @pytest.mark.benchmark
 @pytest.mark.parametrize("docs", [8, 512, 8192])
 def test_step(benchmark, docs: int) -> None:
     packs = _packs(docs)
-    steps = _steps(packs)
+    subjects = _subjects(packs)
     clock = time.process_time
-    times: dict[str, list[float]] = {side: [] for side in steps}
-
+    times: dict[str, list[float]] = {side: [] for side in ("loop", *SUBJECTS)}
     scratch = np.zeros(EVICT_BYTES // 8)
 
     def one_round() -> None:
         scratch.fill(1.0)  # each variant starts from the same cache state (see EVICT_BYTES)
         start = clock()
-        steps["loop"]()
+        _loop_step(packs)
         times["loop"].append(clock() - start)
         for side in SUBJECTS:
-            acc = FlopsAccumulator(packed=True, count_on="device" if side == "device_path" else "auto")
+            acc = _fresh(side)
             scratch.fill(1.0)
             start = clock()
-            steps[side](acc)
+            subjects[side](acc)
             times[side].append(clock() - start)
 
     benchmark.group = f"accounting-step-{docs}docs"
@@ -129,10 +131,11 @@ def test_step(benchmark, docs: int) -> None:
     )
     assert all(len(values) == ROUNDS[docs] for values in times.values())
     # What each variant counted: the loop's sums, every slot of every pack, nothing malformed.
-    assert steps["loop"]()[0] == sum(docs + i for i in range(MICROBATCHES))
+    expected = _loop_step(packs)
+    assert expected[0] == sum(docs + i for i in range(MICROBATCHES))
     for side in SUBJECTS:
-        got = steps[side]().to_dict()
-        assert (got["num_sequences"], got["tokens"], got["squared"]) == steps["loop"](), side
+        got = subjects[side](_fresh(side)).to_dict()
+        assert (got["num_sequences"], got["tokens"], got["squared"]) == expected, side
         assert got["malformed_rows"] == 0 and got["padded_tokens"] == MICROBATCHES * PACK_LEN, side
 
 

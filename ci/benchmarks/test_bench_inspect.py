@@ -61,7 +61,6 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 "inspector": inspector,
                 "batch": batch,
                 "jsonl": Path(tmp) / "stats.jsonl",
-                "cpu_ms": {},  # each kind of step's median CPU time, filled in as the benchmarks run
             }
             inspector.close()
             tr.close()
