@@ -26,10 +26,15 @@ logger = logging.getLogger(__name__)
 # the dense one is taken.
 # - A100 SXM/PCIe: BF16 312 TFLOPS dense (624 with sparsity); no FP8 tensor cores.
 #   (NVIDIA A100 Tensor Core GPU datasheet.)
+#   A100 PCIe and SXM share the figure, so they share the key.
 # - H100 SXM: BF16 989.4 TFLOPS, FP8 1978.9 TFLOPS dense (1979 / 3958 with sparsity).
 #   H100 PCIe: BF16 756 TFLOPS, FP8 1513 TFLOPS dense. (NVIDIA H100 Tensor Core GPU datasheet.)
+# - H100 NVL: BF16 835.5, FP8 1670.5 TFLOPS dense (NVIDIA H100 Tensor Core GPU datasheet, H100 NVL
+#   column, per GPU: 1,671 / 3,341 with sparsity); a 350-400 W PCIe card, below the SXM figures.
 # - H200 SXM: same tensor cores and clocks as H100 SXM: BF16 989.4, FP8 1978.9 TFLOPS dense
-#   (datasheet: 1979 / 3958 with sparsity).
+#   (NVIDIA H200 Tensor Core GPU datasheet: 1979 / 3958 with sparsity).
+# - H200 NVL: BF16 835.5, FP8 1670.5 TFLOPS dense (NVIDIA H200 Tensor Core GPU datasheet, H200 NVL
+#   column: 1,671 / 3,341 with sparsity); the 600 W PCIe part, below the 700 W SXM.
 # - GH200: its Hopper GPU has the H100 SXM's figures (NVIDIA GH200 Grace Hopper Superchip
 #   datasheet: FP8 3958, BF16 1979 TFLOPS with sparsity): BF16 989.4, FP8 1978.9 dense.
 # - B200 (HGX B200, per GPU): BF16 2.25 PFLOPS, FP8 4.5 PFLOPS dense (4.5 / 9 with sparsity).
@@ -61,8 +66,12 @@ PEAK_FLOPS: dict[tuple[str, str], float] = {
     ("H100", "fp8"): 1978.9e12,
     ("H100 PCIe", "bf16"): 756e12,
     ("H100 PCIe", "fp8"): 1513e12,
+    ("H100 NVL", "bf16"): 835.5e12,
+    ("H100 NVL", "fp8"): 1670.5e12,
     ("H200", "bf16"): 989.4e12,
     ("H200", "fp8"): 1978.9e12,
+    ("H200 NVL", "bf16"): 835.5e12,
+    ("H200 NVL", "fp8"): 1670.5e12,
     ("GH200", "bf16"): 989.4e12,
     ("GH200", "fp8"): 1978.9e12,
     ("B200", "bf16"): 2250e12,
@@ -102,14 +111,25 @@ _MODELS = (
 )
 
 
+# The parts of one model whose peaks differ from its SXM figure, as the name's words say them
+# (an SXM part's name carries no such word, or "SXM4"/"SXM5"). The A100's PCIe part peaks at
+# the SXM figure: one key.
+_PARTS = {"H100": ("PCIe", "NVL"), "H200": ("NVL",)}
+
+
 def device_key(device_name: str) -> str | None:
-    """The peak table's key for a device name ("NVIDIA H100 PCIe" -> "H100 PCIe"); None when unknown."""
+    """The peak table's key for a device name ("NVIDIA H100 PCIe" -> "H100 PCIe"); None when unknown.
+
+    The name is what `torch.cuda.get_device_name()` gives in the rank that runs the model (it
+    names the rank's own device, after CUDA_VISIBLE_DEVICES), so NVL and PCIe parts are told
+    from the SXM part of the same model wherever their peaks differ.
+    """
     name = str(device_name).upper()
+    words = set(re.split(r"[^0-9A-Z]+", name))
     for model in _MODELS:
         if re.search(rf"(?<![0-9A-Z]){model}(?![0-9A-Z])", name):
-            if model in ("H100", "H200") and "NVL" in name:  # NVL parts peak below the SXM figures
-                return None
-            return f"{model} PCIe" if model == "H100" and "PCIE" in name else model
+            part = next((p for p in _PARTS.get(model, ()) if p.upper() in words), None)
+            return f"{model} {part}" if part else model
     return None
 
 

@@ -2,7 +2,9 @@
 
 `run_ranks` is a plain function: it must not need a fixture argument to know the test it serves.
 The plugin opens a `TestContext` around each test; `run_ranks` reads the budget and log root from
-it and appends one `Run` (the report schema's launch record) per launch. Outside pytest (scripts, torchrun jobs) there is no
+it and appends one `Run` (the report schema's launch record) per launch. The launches a fixture's
+setup made are also kept by fixture, so a test that only uses a module-scoped fixture's value
+still knows which launches (which backend, which device) its numbers came from. Outside pytest (scripts, torchrun jobs) there is no
 context and the launcher falls back to ``PYTEST_CURRENT_TEST`` or the function's name.
 """
 
@@ -91,6 +93,28 @@ def record_run(summary: Run) -> None:
     """Attribute one launch to the current test (dropped outside a test)."""
     if _contexts:
         _contexts[-1].runs.append(summary)
+
+
+# The launches made while each live fixture was set up, by the fixture's key (the plugin's
+# fixture definition) with its name: a module- or session-scoped fixture's launches are recorded
+# on the test that happened to set it up, and every later test using its value came from them too.
+_fixture_runs: dict[object, tuple[str, list[Run]]] = {}
+
+
+def record_fixture_runs(key: object, name: str, runs: list[Run]) -> None:
+    """Remember the launches a fixture's setup made (replacing its previous setup's)."""
+    _fixture_runs[key] = (name, list(runs))
+
+
+def forget_fixture(key: object) -> None:
+    """The fixture was torn down: its launches no longer stand behind any value."""
+    _fixture_runs.pop(key, None)
+
+
+def fixture_runs(names: list[str]) -> list[Run]:
+    """The launches behind the live fixtures called ``names`` (a test's fixture closure)."""
+    wanted = set(names)
+    return [run for name, runs in _fixture_runs.values() if name in wanted for run in runs]
 
 
 def seed_for(test_id: str) -> int:

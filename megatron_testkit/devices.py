@@ -9,7 +9,9 @@ the plugin call, so each can be pinned by a CPU test without a GPU:
   not use CUDA: the cap is queued to apply when CUDA initialises, not applied eagerly;
 - a rank that uses CUDA gets a host allowance on top of its test's host budget (a CUDA context,
   cuBLAS/cuDNN and NCCL carry 2-4 GiB of host RSS that a CPU-measured budget never saw);
-- ``KIT_REQUIRE_GPUS=N`` turns "skipped: not enough GPUs" into a failure on a job that promises N.
+- ``KIT_REQUIRE_GPUS=N`` turns "skipped: not enough GPUs" into a failure on a job that promises N;
+- a rank names its own device (`rank_device_name`, after ``CUDA_VISIBLE_DEVICES`` and the
+  device binding), which is what the golden platform and the peak FLOP/s table are keyed on.
 
 `set_per_process_memory_fraction` limits the caching allocator only: the CUDA context, NCCL's
 own buffers and anything allocated with `cudaMalloc` outside torch are not counted by the cap,
@@ -19,6 +21,7 @@ so a device budget is a bound on the allocator's peak, not on the card's used me
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -34,6 +37,8 @@ __all__ = [
     "gpu_gate",
     "host_budget",
     "rank_device_env",
+    "rank_device_name",
+    "rank_host_budget",
     "required_gpus",
     "uses_cuda",
 ]
@@ -165,6 +170,37 @@ def host_budget(
     raw = environ.get(CUDA_HOST_ALLOWANCE_ENV)
     allowance = _parse_size(raw, CUDA_HOST_ALLOWANCE_ENV) if raw else CUDA_HOST_ALLOWANCE
     return budget_host + allowance
+
+
+def rank_host_budget(
+    budget_host: int | None, backend: str, *, gpu_test: bool | None, environ: Mapping[str, str] | None = None
+) -> int | None:
+    """The host RSS limit a rank of this launch enforces: `host_budget` with `uses_cuda`'s answer.
+
+    What `megatron_testkit.rank_worker` applies inside each rank (``environ`` is the rank's own
+    environment, ``backend`` its process group's); a test that asserts a rank's peak against its
+    budget calls this too, so a CUDA rank is held to the same limit the launcher holds it to.
+    """
+    environ = os.environ if environ is None else environ
+    cuda = uses_cuda(backend, gpu_test=gpu_test, environ=environ)
+    return host_budget(budget_host, cuda=cuda, environ=environ)
+
+
+def rank_device_name() -> str | None:
+    """This process' CUDA device as `torch.cuda.get_device_name()` names it, or None when it never used CUDA.
+
+    The current device of a rank (bound by `apply_device_cap`), so it honours
+    ``CUDA_VISIBLE_DEVICES`` and the rank's binding, unlike ``nvidia-smi -i 0``. Never
+    initialises CUDA itself (a rank that ran on the CPU stays a CPU rank) and never raises: it
+    is called while a failing rank writes its record.
+    """
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return str(torch.cuda.get_device_name(torch.cuda.current_device()))
+    except Exception:  # torch half-imported, or a CUDA error: no name rather than no record
+        return None
 
 
 def required_gpus(environ: Mapping[str, str] | None = None) -> int:

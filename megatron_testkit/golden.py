@@ -10,7 +10,9 @@ the plugin (`megatron_testkit.golden_plugin`) and ``python -m ci golden`` both u
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,17 +23,69 @@ GOLDEN_DIR = "golden"
 _COLUMNS = ("metric", "step", "golden", "got", "allowed")
 
 
+PLATFORM_ENV = "KIT_GOLDEN_PLATFORM"  # names the platform where the kit cannot (a runner it cannot name)
+
+
+def platform_override(environ: Mapping[str, str] | None = None) -> str | None:
+    """``KIT_GOLDEN_PLATFORM`` when set (and not empty), else None."""
+    environ = os.environ if environ is None else environ
+    return environ.get(PLATFORM_ENV) or None
+
+
+def launch_platform(backend: str, device_name: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The platform a launch's rank ran on, decided in the rank: ``KIT_GOLDEN_PLATFORM`` in its
+    environment, else `platform_key` of its process group's backend and its own device."""
+    return platform_override(environ) or platform_key(backend, device_name)
+
+
+def platform_of_runs(runs: Iterable[Any], unnamed_gpu: Callable[[], str | None] | None = None) -> str:
+    """The platform of the launches a test's metrics came from (the test's own and its fixtures').
+
+    Each launch (`megatron_testkit.schema.Run`) carries the platform its ranks named; a launch
+    recorded without one is named from its backend and device (``unnamed_gpu()`` for an NCCL
+    launch without a device, e.g. an older record). The first launch on a GPU platform decides
+    (a test that also ran a CPU launch is a GPU test); none: ``cpu-gloo``.
+    """
+    for run in runs:
+        key = run.platform
+        if key is None:
+            device = run.device
+            if device is None and run.backend == "nccl" and unnamed_gpu is not None:
+                device = unnamed_gpu()
+            key = platform_key(run.backend, device)
+        if is_gpu_platform(key):
+            return key
+    return "cpu-gloo"
+
+
 def platform_key(backend: str | None, gpu_name: str | None = None) -> str:
-    """``cpu-gloo`` for gloo; ``<gpu model>-nccl`` for NCCL (``NVIDIA H100 80GB HBM3`` -> ``h100-nccl``)."""
-    if backend != "nccl":
-        return "cpu-gloo"
-    return f"{gpu_slug(gpu_name or 'gpu')}-nccl"
+    """``cpu-gloo`` on CPU; ``<gpu model>-<backend>`` where the ranks ran on a GPU.
+
+    ``NVIDIA H100 80GB HBM3`` over NCCL -> ``h100-nccl``; the NVL and PCIe parts are platforms of
+    their own (``h200-nvl-nccl``), since their throughput is not the SXM part's. ``gpu_name`` is
+    the ranks' own device (`torch.cuda.get_device_name()` in a rank); NCCL without a known name is
+    ``gpu-nccl``. A gloo launch whose ranks used a GPU is ``<gpu model>-gloo``.
+    """
+    if backend == "nccl":
+        return f"{gpu_slug(gpu_name or 'gpu')}-nccl"
+    if gpu_name:
+        return f"{gpu_slug(gpu_name)}-gloo"
+    return "cpu-gloo"
+
+
+# Words of a device name that are not its model: vendors and product lines.
+_NOT_MODEL = ("nvidia", "amd", "tesla", "instinct")
+# Words that name a part of one model with other clocks and power (the SXM part names none).
+_PARTS = {"nvl": "nvl", "pcie": "pcie"}
 
 
 def gpu_slug(name: str) -> str:
-    """A GPU's model as one lowercase word: the vendor dropped, the first word kept."""
-    words = [w for w in re.split(r"[^A-Za-z0-9]+", name) if w and w.lower() not in ("nvidia", "amd", "tesla")]
-    return words[0].lower() if words else "gpu"
+    """A GPU's model as one lowercase word, its NVL or PCIe part added: ``NVIDIA H200 NVL`` -> ``h200-nvl``."""
+    words = [w for w in re.split(r"[^A-Za-z0-9]+", name) if w and w.lower() not in _NOT_MODEL]
+    if not words:
+        return "gpu"
+    part = next((_PARTS[w.lower()] for w in words[1:] if w.lower() in _PARTS), None)
+    return f"{words[0].lower()}-{part}" if part else words[0].lower()
 
 
 def is_gpu_platform(platform: str) -> bool:

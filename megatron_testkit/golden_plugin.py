@@ -24,7 +24,7 @@ import pytest
 from megatron_testkit import attribution, golden, metrics
 from megatron_testkit.metrics import MetricsRecorder, TestMetrics
 
-PLATFORM_ENV = "KIT_GOLDEN_PLATFORM"  # overrides the platform key (a runner the kit cannot name)
+PLATFORM_ENV = golden.PLATFORM_ENV  # overrides the platform key (a runner the kit cannot name)
 _RECORDER = pytest.StashKey[MetricsRecorder]()
 _METRICS = pytest.StashKey[TestMetrics]()
 
@@ -70,7 +70,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     finally:
         if recorder is not None:
             recorder.collect_ranks()
-            item.stash[_METRICS] = TestMetrics(_platform(), _version("megatron-core"), recorder.series)
+            item.stash[_METRICS] = TestMetrics(_platform(item), _version("megatron-core"), recorder.series)
     if recorder is not None and recorder.series:
         check(item.nodeid, item.path, item.stash[_METRICS])
     return result
@@ -140,22 +140,52 @@ def _missing(nodeid: str, path: Path, found: TestMetrics) -> None:
     )
 
 
-def _platform() -> str:
-    """The platform key of the running test: from its launches' backend (nccl: the GPU model)."""
-    override = os.environ.get(PLATFORM_ENV)
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Iterator[Any]:
+    """Keep the launches a fixture's setup makes, for the tests that use its value (`_platform`)."""
+    context = attribution.current()
+    before = len(context.runs) if context is not None else 0
+    try:
+        return (yield)
+    finally:
+        if context is not None:
+            attribution.record_fixture_runs(fixturedef, fixturedef.argname, context.runs[before:])
+
+
+def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> None:
+    attribution.forget_fixture(fixturedef)
+
+
+def _launches_behind(item: pytest.Item) -> list[Any]:
+    """The launches the test's numbers can have come from: its own, then its fixtures' (any scope)."""
+    context = attribution.current()
+    own = list(context.runs) if context is not None else []
+    seen = {id(run) for run in own}
+    names = list(getattr(item, "fixturenames", ()))
+    return own + [run for run in attribution.fixture_runs(names) if id(run) not in seen]
+
+
+def _platform(item: pytest.Item | None = None) -> str:
+    """The platform key of the running test, from the launches its metrics came from.
+
+    ``KIT_GOLDEN_PLATFORM`` first; else what the ranks of those launches named (their backend and
+    their own device, `torch.cuda.get_device_name()` in the rank), the fixtures' launches included:
+    a module-scoped fixture's NCCL launch makes its tests ``<gpu>-nccl`` too.
+    """
+    override = golden.platform_override()
     if override:
         return override
-    context = attribution.current()
-    backends = {run.backend for run in context.runs} if context is not None else set()
-    backend = "nccl" if "nccl" in backends else "gloo"
-    return golden.platform_key(backend, _gpu_name() if backend == "nccl" else None)
+    runs = _launches_behind(item) if item is not None else []
+    return golden.platform_of_runs(runs, unnamed_gpu=_gpu_name)
 
 
 def _gpu_name() -> str | None:
-    """GPU 0's model from nvidia-smi (the pytest process does not initialise CUDA for it)."""
+    """The first visible GPU's model from nvidia-smi (which ignores CUDA_VISIBLE_DEVICES, so it is
+    asked for that one): only for a launch recorded without its ranks' own device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", visible or "0"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -163,7 +193,8 @@ def _gpu_name() -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if lines else None
 
 
 def _version(distribution: str) -> str | None:

@@ -57,6 +57,14 @@ def peak_device_bytes() -> int | None:
         return None
 
 
+def _device_and_platform(backend: str) -> dict[str, str | None]:
+    """This rank's own device and the golden platform it names (read by the launcher into its `Run`)."""
+    from megatron_testkit.golden import launch_platform
+
+    device = devices.rank_device_name()
+    return {"device": device, "platform": launch_platform(backend, device)}
+
+
 class _Rank:
     """State of this rank: its files, last collective and memory watchdog."""
 
@@ -94,6 +102,7 @@ class _Rank:
                 "peak_host_bytes": max(peak_rss_bytes(), self.memory.peak),
                 "peak_process": self.memory.describe_holder(),
                 "peak_device_bytes": peak_device_bytes(),
+                **_device_and_platform(self.spec["backend"]),
                 "last_collective": self.last_collective,
                 "collective_seq": self.collective_seq,
                 "in_function": self.in_function,
@@ -330,8 +339,9 @@ def _watch(spec: dict[str, Any], rank: int) -> _Rank:
     faulthandler.enable(file=state.stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=state.stacks, all_threads=True, chain=False)
     # A CUDA rank's RSS carries the driver, context and libraries on top of what the test uses.
-    cuda_rank = devices.uses_cuda(spec["backend"], gpu_test=spec.get("gpu_test"), environ=os.environ)
-    state.budget_host = devices.host_budget(spec.get("budget_host_bytes"), cuda=cuda_rank)
+    state.budget_host = devices.rank_host_budget(
+        spec.get("budget_host_bytes"), spec["backend"], gpu_test=spec.get("gpu_test"), environ=os.environ
+    )
     state.budget_device = spec.get("budget_device_bytes")
     if state.budget_host:
         state.watch_host_memory(state.budget_host)

@@ -340,6 +340,8 @@ class _RankProcess:
             rec.peak_host_bytes = max(data.get("peak_host_bytes") or 0, rec.peak_host_bytes or 0) or None
             rec.peak_process = data.get("peak_process") or rec.peak_process
             rec.peak_device_bytes = data.get("peak_device_bytes")
+            for key in ("device", "platform"):  # the rank's own device and the platform it named
+                rec.extra[key] = data[key] if isinstance(data.get(key), str) else None
             rec.extra["in_function"] = data.get("in_function", True)
             rec.extra["idle_host_bytes"] = data.get("idle_host_bytes")
             if data.get("status") == "failed" and rec.status in ("ok", "torn_down", "hung"):
@@ -668,6 +670,8 @@ class _Launch:
                 ranks=[r.peak() for r in records],
                 failure=failure.to_failure() if isinstance(failure, RankFailure) else None,
                 leaked_processes=leaked,
+                device=next((r.extra["device"] for r in records if r.extra.get("device")), None),
+                platform=next((r.extra["platform"] for r in records if r.extra.get("platform")), None),
             )
         )
         if not self.keep and failure is None:

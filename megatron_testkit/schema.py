@@ -18,7 +18,7 @@ from megatron_testkit.metrics import TestMetrics
 
 # 2: TestEntry.metrics (recorded series). Optional additions that older readers parse unchanged
 # (absent reads as None) keep the version: the ``interrupted`` outcome, the session's
-# ``exit_status``, a rank's ``peak_process``.
+# ``exit_status``, a rank's ``peak_process``, a launch's ``device`` and ``platform``.
 REPORT_VERSION = 2
 READ_VERSIONS = (1, 2)  # a version-1 report reads as one without metrics
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
@@ -109,6 +109,10 @@ class Run:
     ranks: list[RankPeak]
     failure: Failure | None = None
     leaked_processes: int = 0
+    # The ranks' own CUDA device (the lowest rank that used one; None on CPU) and the golden
+    # platform they named (`megatron_testkit.golden.launch_platform`); absent in older reports.
+    device: str | None = None
+    platform: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The launch as plain JSON types."""
@@ -120,6 +124,8 @@ class Run:
         values = {f.name: data.get(f.name) for f in fields(cls) if f.name in data}
         values["ranks"] = [RankPeak.from_json(r) for r in data.get("ranks") or []]
         values["failure"] = Failure.from_json(data["failure"]) if data.get("failure") else None
+        for key in ("device", "platform"):
+            values[key] = values[key] if isinstance(values.get(key), str) else None
         return cls(**values)
 
 

@@ -121,11 +121,14 @@ def _record(world_size: int, backend: str, started: float) -> None:
     import torch
 
     from megatron_testkit import attribution
+    from megatron_testkit.devices import rank_device_name
+    from megatron_testkit.golden import launch_platform
     from megatron_testkit.rank_worker import peak_device_bytes, peak_rss_bytes
     from megatron_testkit.schema import RankPeak, Run
 
     test_id = attribution.current_test_id() or "torchrun"
     rank = int(os.environ["RANK"])
+    device = rank_device_name()
     attribution.record_run(
         Run(
             world_size=world_size,
@@ -141,5 +144,7 @@ def _record(world_size: int, backend: str, started: float) -> None:
                     peak_device_bytes=peak_device_bytes() if torch.cuda.is_available() else None,
                 )
             ],
+            device=device,
+            platform=launch_platform(backend, device),
         )
     )

@@ -198,6 +198,60 @@ def test_a_cuda_rank_gets_the_allowance_on_top_of_its_test_budget():
         devices.host_budget(GiB, cuda=True, environ={"KIT_CUDA_HOST_ALLOWANCE": "lots"})
 
 
+@pytest.mark.parametrize(
+    ("backend", "gpu_test", "environ", "allowance"),
+    [
+        ("nccl", True, {}, 4 * GiB),  # the te-nvdlfw tensor-inspect ranks: CUDA context, NCCL, TE
+        ("gloo", True, {}, 4 * GiB),  # a gpu test's gloo rank may use CUDA too
+        ("gloo", False, {"CUDA_VISIBLE_DEVICES": ""}, 0),  # what a test not marked gpu gets
+        ("nccl", True, {"CUDA_VISIBLE_DEVICES": ""}, 0),  # hidden devices: never a CUDA rank
+        ("nccl", True, {"KIT_CUDA_HOST_ALLOWANCE": "1GiB"}, GiB),
+    ],
+)
+def test_a_ranks_host_limit_is_its_budget_plus_the_allowance_exactly_when_it_may_use_cuda(
+    backend, gpu_test, environ, allowance
+):
+    # The function the rank worker applies, and the one a test asserts a rank's peak against.
+    assert devices.rank_host_budget(768 * 2**20, backend, gpu_test=gpu_test, environ=environ) == (
+        768 * 2**20 + allowance
+    )
+    assert devices.rank_host_budget(None, backend, gpu_test=gpu_test, environ=environ) is None
+
+
+def test_the_rank_worker_holds_its_rank_to_rank_host_budget():
+    # One source for the launcher's limit: the worker calls rank_host_budget, so a test asserting
+    # against it asserts the same limit the watchdog enforces.
+    import inspect
+
+    from megatron_testkit import rank_worker
+
+    assert "devices.rank_host_budget(" in inspect.getsource(rank_worker._watch)
+
+
+# ---- a rank names its own device ---------------------------------------------------------------------
+def test_a_rank_that_never_used_cuda_names_no_device():
+    # This process has not initialised CUDA (a CPU rank); the name must not initialise it either.
+    assert not torch.cuda.is_initialized()
+    assert devices.rank_device_name() is None
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_rank_names_its_own_device_after_cuda_visible_devices():
+    if not torch.cuda.is_available():
+        skips.skip("cuda", "names a real CUDA device")
+    # The last visible GPU as the only one: the name must be that GPU's, as nvidia-smi -i 0 is not.
+    last = torch.cuda.device_count() - 1
+    probe = (
+        "import torch; from megatron_testkit import devices; torch.cuda.set_device(0); "
+        "print(devices.rank_device_name())"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(last)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == torch.cuda.get_device_name(last)
+
+
 # ---- KIT_REQUIRE_GPUS turns a GPU skip into a failure -----------------------------------------------
 def test_required_gpus_parses_and_refuses_nonsense():
     assert devices.required_gpus({}) == 0

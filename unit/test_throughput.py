@@ -125,11 +125,33 @@ def test_peak_must_be_a_positive_finite_number(peak):
         IntervalThroughput(1, peak_flops_per_gpu=peak)
 
 
-@pytest.mark.parametrize("device", ["NVIDIA RTX A1000 Laptop GPU", "NVIDIA H100 NVL", "NVIDIA H200 NVL"])
+@pytest.mark.parametrize("device", ["NVIDIA RTX A1000 Laptop GPU"])
 def test_devices_the_table_does_not_describe_are_refused_not_matched_by_substring(device):
-    # "A1000" contains "A100"; the H100/H200 NVL run below the SXM peaks the table holds.
+    # "A1000" contains "A100".
     with pytest.raises(ValueError, match="no peak FLOP/s known for device"):
         peak_flops(device, "bf16")
+
+
+@pytest.mark.parametrize(
+    ("device", "key", "sxm"),
+    [
+        ("NVIDIA H100 NVL", "H100 NVL", "NVIDIA H100 80GB HBM3"),
+        ("NVIDIA H200 NVL", "H200 NVL", "NVIDIA H200"),
+        ("NVIDIA H100 PCIe", "H100 PCIe", "NVIDIA H100 80GB HBM3"),
+    ],
+)
+def test_nvl_and_pcie_parts_get_their_own_datasheet_peaks_never_the_sxm_figure(device, key, sxm):
+    # The H100/H200 NVL and the H100 PCIe run below the SXM part of the same model (their
+    # datasheets' own columns): matched as the SXM part, MFU would read 15-25% low. Before, the
+    # NVL parts were refused (no MFU at all).
+    assert device_key(device) == key and device_key(sxm) == key.split()[0]
+    for dtype in ("bf16", "fp8"):
+        assert peak_flops(device, dtype) < peak_flops(sxm, dtype)
+    assert peak_flops("NVIDIA H100 NVL") == peak_flops("NVIDIA H200 NVL") == 835.5e12  # 1,671 sparse / 2
+
+
+def test_the_a100s_pcie_part_shares_the_sxm_key_because_its_peak_is_the_same():
+    assert device_key("NVIDIA A100-PCIE-40GB") == device_key("NVIDIA A100-SXM4-80GB") == "A100"
 
 
 # ------------------------------------------------------------- the accelerators users run now
