@@ -9,6 +9,11 @@ collective. Half of them run in an inner pytest session, the other half in one u
 fault to the verdict and the processes it left. The figures are printed and written to
 ``reports/fault-campaign.json``; the campaign fails below 100% correct or above 0 leaked.
 
+Over NCCL (the L2 GPU row, two GPUs): one trial of each fault a GPU job meets, a CUDA OOM, a
+crash, an exception and a hang that NCCL's watchdog times out (its flight-recorder dump read
+into the verdict), each named by rank and kind. The same trials over gloo (a host OOM for the
+CUDA one) run on every CPU machine.
+
     KIT_FAULT_TRIALS=20 python -m pytest functional/test_fault_campaign.py -m L2 -s
 """
 
@@ -216,3 +221,35 @@ def test_the_kernel_oom_ground_truth_can_fail() -> None:
         assert group.oom_kills() == 0
     finally:
         assert group.remove()
+
+
+# ---- the faults of a GPU job, over NCCL (and their CPU twins over gloo) ----------------------------
+# Each on rank 1 of 2, after collective #1: rank 0 waits for it in the barrier (#2), as the next
+# step of a training loop would. NCCL's hang: rank 0's process group times out (run_ranks sets
+# it to max(5, min(0.8 t, t - 10)) s = 72 s for t = 90: after ~10 s of CUDA/NCCL start-up it still
+# fires before the launch's own timeout), its watchdog dumps the flight recorder and aborts.
+NCCL_HANG_TIMEOUT = float(os.environ.get("KIT_FAULT_NCCL_HANG_TIMEOUT", "90"))
+BACKEND_FAULTS = {"nccl": ("cuda_oom", "exception", "sigsegv", "hang_collective")}
+BACKEND_FAULTS["gloo"] = tuple("python_oom" if k == "cuda_oom" else k for k in BACKEND_FAULTS["nccl"])
+
+
+def _backend_params() -> list[Any]:
+    params = []
+    for backend, kinds in BACKEND_FAULTS.items():
+        marks = [pytest.mark.world_size(2), *([pytest.mark.gpu] if backend == "nccl" else [])]
+        params += [pytest.param(backend, kind, id=f"{backend}-{kind}", marks=marks) for kind in kinds]
+    return params
+
+
+@pytest.mark.parametrize(("backend", "kind"), _backend_params())
+def test_a_gpu_jobs_faults_are_named_by_rank_and_kind(backend: str, kind: str, tmp_path: Path) -> None:
+    trial = faults.Trial(index=0, kind=kind, rank=1, world_size=2, timing="after")
+    hang_timeout = NCCL_HANG_TIMEOUT if backend == "nccl" else HANG_TIMEOUT
+    result = faults.run_trial(trial, tmp_path, hang_timeout=hang_timeout, backend=backend)
+    assert (result.reported_rank, result.reported_kind) == (1, trial.fault.expected_kind), result.first_line
+    assert result.leaked == 0, result.leaked_cmdlines
+    if trial.fault.is_hang:
+        assert result.stack_shown, "the stuck rank's own stack is not in the verdict"
+        if backend == "nccl":
+            # The watchdog's (or the launcher's requested) dump was collected and read.
+            assert result.flight_recorder, "no flight-recorder finding in the NCCL hang's verdict"

@@ -35,6 +35,7 @@ block runs none, and the training steps run the same collectives either way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,7 @@ class PPScenario:
     heads: int = 4
     layers_per_stage: int = 1
     vocab: int = 128
+    backend: str = "gloo"  # nccl: the GPU rows' variant (CUDA allocator reports, TE where it imports, bf16)
 
     @property
     def dp(self) -> int:
@@ -92,6 +94,11 @@ PP2 = PPScenario("pp2", world_size=2, pp=2)
 DP2_PP2 = PPScenario("dp2xpp2", world_size=4, pp=2)
 # Interleaved 1F1B: two chunks of one layer on each stage.
 PP2_VPP2 = PPScenario("pp2xvpp2", world_size=2, pp=2, vpp=2, layers_per_stage=2)
+# The same pipelines over NCCL on two GPUs (the L1 GPU row): p2p and the memory MAX over NCCL, the
+# report the CUDA caching allocator's. Stage 0 holds more microbatches' activations in flight on
+# the GPU as on the CPU (the schedule, not the device, decides it), so every claim below holds.
+PP2_NCCL = dataclasses.replace(PP2, name="pp2-nccl", backend="nccl")
+PP2_VPP2_NCCL = dataclasses.replace(PP2_VPP2, name="pp2xvpp2-nccl", backend="nccl")
 
 
 def _microbatches(scenario: PPScenario, step: int, dp_rank: int) -> list:
@@ -207,6 +214,14 @@ SCENARIOS = [
     # 4 ranks on a 2-core runner: ~30 s idle, 67-95 s on a loaded machine; L1 keeps L0 short.
     pytest.param(DP2_PP2, marks=[pytest.mark.L1, pytest.mark.world_size(4)], id=DP2_PP2.name),
     pytest.param(PP2_VPP2, marks=[pytest.mark.L1, pytest.mark.world_size(2)], id=PP2_VPP2.name),
+    pytest.param(
+        PP2_NCCL, marks=[pytest.mark.L1, pytest.mark.world_size(2), pytest.mark.gpu], id=PP2_NCCL.name
+    ),
+    pytest.param(
+        PP2_VPP2_NCCL,
+        marks=[pytest.mark.L1, pytest.mark.world_size(2), pytest.mark.gpu],
+        id=PP2_VPP2_NCCL.name,
+    ),
 ]
 pytestmark = pytest.mark.memory_budget(host="1GiB")
 
@@ -216,9 +231,16 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     """The scenario, logging on and logging off: once per module, for every claim below."""
     scenario: PPScenario = request.param
     out = tmp_path_factory.mktemp(scenario.name)
-    on = run_ranks(pp_memory_rank, scenario.world_size, args=(scenario, str(out), True), timeout=300)
+    backend = scenario.backend
+    on = run_ranks(
+        pp_memory_rank, scenario.world_size, backend=backend, args=(scenario, str(out), True), timeout=300
+    )
     off = run_ranks(
-        pp_memory_rank, scenario.world_size, args=(scenario, str(out / "off"), False), timeout=300
+        pp_memory_rank,
+        scenario.world_size,
+        backend=backend,
+        args=(scenario, str(out / "off"), False),
+        timeout=300,
     )
     tb = {tag: dict(events) for tag, events in read_scalars(out / "tb").items()}
     for rank, res in enumerate(on):
@@ -339,10 +361,14 @@ def test_every_rank_counts_each_micro_batch_once(run: PPRun) -> None:
 # the order of floating-point sums, which on this harness moved the CP run's losses by <= 1.8e-7
 # and grad norms by <= 6.8e-7 relative over 8 steps (test_cp_pretrain_sft.py, GOLDEN_LOSS_RTOL);
 # 1e-5 is the same ~15x margin. Step FLOPs and the stage holding each maximum are exact.
-GOLDEN_LOSS_RTOL = 1e-5
-GOLDEN_LOSS_WHY = (
-    "fp32 summation order moved this harness's losses <= 1.8e-7 relative (CP run); bit-identical reruns"
-)
+# bf16 over NCCL (TE where it imports): not measured yet; the CP run's bf16 estimate
+# (test_cp_pretrain_sft.py TOLERANCES) until `python -m ci gpu-check` (step te_train:
+# bf16_loss_spread, two runs of the same steps) and the first L1 GPU run measure it.
+GOLDEN_LOSS_RTOL = {"gloo": 1e-5, "nccl": 2e-2}
+GOLDEN_LOSS_WHY = {
+    "gloo": "fp32 summation order moved this harness's losses <= 1.8e-7 relative (CP run); bit-identical reruns",
+    "nccl": "bf16 estimate (not measured yet: gpu-check's te_train prints the run-to-run spread)",
+}
 # Stage peaks (RSS): golden + 20%. Over three runs on one machine, a stage's peak at one step
 # spread (max / min - 1) by up to 7.5% (pp2xvpp2 stage 1, step 2; pp2 4.1%, dp2xpp2 4.5%: python
 # -m ci golden diff on their reports). 20% is ~2.7x that, and stays under the 1 GiB budget
@@ -371,6 +397,6 @@ def test_stage_peaks_the_stage_holding_the_max_losses_and_flops_match_the_golden
             kit_metrics.record(
                 f"stage_holding_max/{key}", step, pp_rank[run.writer["steps"][step - 1]["ranks"][key]]
             )
-    loss = relative(GOLDEN_LOSS_RTOL, GOLDEN_LOSS_WHY)
+    loss = relative(GOLDEN_LOSS_RTOL[s.backend], GOLDEN_LOSS_WHY[s.backend])
     kit_metrics.record_steps("loss", [e["loss"] for e in run.writer["steps"]], loss)
     kit_metrics.record_steps("step_flops", [e["step_flops"] for e in run.writer["steps"]], EXACT)
