@@ -304,7 +304,8 @@ def describe(job: Job, reports: Path) -> str:
 
 
 def summary_markdown(job: Job, reports: Path) -> str:
-    """What the job appends to GitHub's step summary, once: the kit report, its memory chart, how to rerun."""
+    """What the job appends to GitHub's step summary, once: the kit report, its memory chart, the
+    golden files to make (when its platform lacks some), how to rerun."""
     if job.suite == "bench":
         return _bench_summary(job, reports)
     from ci.charts import memory_charts_markdown
@@ -318,6 +319,13 @@ def summary_markdown(job: Job, reports: Path) -> str:
     charts = memory_charts_markdown(reports / "kit-report.json")
     if charts:
         parts.append(charts)
+    # The first run on a platform (the first GPU job) has no golden files for it: say which are
+    # missing and the shipped command that makes them from this job's report.
+    from megatron_testkit.golden_candidates import missing_golden_markdown
+
+    missing = missing_golden_markdown(reports, ROOT, artifact=f"kit-reports-{job.name}")
+    if missing:
+        parts.append(missing)
     if job.gpus:
         dumps = sum(1 for _ in reports.rglob("nccl_flight_recorder_rank*"))
         parts.append(f"NCCL flight-recorder dumps: {dumps}\n")

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from megatron_testkit import attribution, golden, metrics
+from megatron_testkit.golden_candidates import UPDATE_COMMAND
 from megatron_testkit.metrics import MetricsRecorder, TestMetrics
 
 PLATFORM_ENV = golden.PLATFORM_ENV  # overrides the platform key (a runner the kit cannot name)
@@ -127,14 +128,14 @@ def _missing(nodeid: str, path: Path, found: TestMetrics) -> None:
     if os.environ.get("CI", "").lower() == "true":
         raise GoldenMismatch(
             f"golden values: no golden file for {nodeid} on platform {found.platform}: expected {path}; "
-            "make it from a passing run's report: python -m ci golden update <kit-report.json>"
+            f"make it from a passing run's report: {UPDATE_COMMAND} <kit-report.json>"
         )
     candidate = golden.candidate_path(path)
     golden.write_golden(candidate, golden.golden_json(nodeid, found, _version("torch")))
     warnings.warn(
         GoldenCandidateWarning(
             f"no golden file for platform {found.platform}; wrote a candidate to {candidate} "
-            f"(review it and rename it to {path.name}, or run python -m ci golden update)"
+            f"(review it and rename it to {path.name}, or run {UPDATE_COMMAND} <kit-report.json>)"
         ),
         stacklevel=1,
     )
