@@ -111,9 +111,79 @@ def test_a_step_out_of_time_is_skipped_and_the_check_fails(tmp_path):
     assert "out of time" in result["detail"]
 
 
+@pytest.mark.L0
+def test_a_rerun_into_the_same_outdir_never_takes_the_previous_runs_dump_for_its_own(tmp_path):
+    import torch
+
+    from ci.gpu_check import hang
+    from megatron_testkit import flight_recorder as fr
+
+    parent = tmp_path / "flight_recorder"
+    first = hang.fresh_run_dir(parent)
+    # The first run's rank 0 dumped (a real, readable flight-recorder dump of this process).
+    fr.dump_path(first / fr.DUMP_STEM, 0).write_bytes(torch._C._distributed_c10d._dump_fr_trace())
+    assert fr.wait_for_dumps(first / fr.DUMP_STEM, [0], timeout_s=0.1)  # it reads as "dumped"
+    second = hang.fresh_run_dir(parent)
+    assert second != first and second.parent == parent and list(second.iterdir()) == []
+    # Where the second run waits for its dump, the first run's is not there to be taken for it.
+    assert fr.wait_for_dumps(second / fr.DUMP_STEM, [0], timeout_s=0.1) == {}
+
+
+@pytest.mark.L0
+def test_the_te_training_step_needs_transformer_engine_on_the_gpu_and_says_so(tmp_path):
+    from ci.gpu_check import te_train
+    from ci.gpu_check.summary import CheckState
+
+    # On this CPU machine TE cannot be used: the GPU path refuses before launching anything.
+    with pytest.raises(StepFailed, match=r"^needs te: no CUDA device: .*run the others with --only"):
+        te_train.step(CheckState(tmp_path, dry_run=False, budget_s=60))
+    assert te_train.loss_spread([2.0, 4.0], [2.0, 4.0]) == 0.0
+    assert te_train.loss_spread([2.0, 4.0], [2.02, 3.9]) == pytest.approx(0.025)  # 0.1 / 4.0
+    with pytest.raises(StepFailed, match="logged 2 and 1 losses"):
+        te_train.loss_spread([2.0, 4.0], [2.0])
+
+
+@pytest.mark.L0
+def test_the_check_says_which_tests_one_gpu_did_not_cover(tmp_path):
+    from ci.gpu_check.summary import StepResult
+
+    (tmp_path / "test_pairs.py").write_text(SKIPPING_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    reports = tmp_path / "reports"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--kit-report={reports}",
+            "test_pairs.py",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "ONE_RUNS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    skipped = pytest_step.needing_more_gpus(reports / "kit-report.json")
+    assert skipped == ["test_pairs.py::test_pair_a"]  # test_pair_b ran
+    check = gpu_check.Check(tmp_path, dry_run=False, budget_s=60)
+    check.results = [
+        StepResult("pytest", "ok", figures={"not_covered": skipped}),
+        StepResult("te_inspect", "failed", detail="needs te: not installed"),
+    ]
+    lines = check.not_covered()
+    assert lines[0].startswith("the tests that need two GPUs")
+    assert "skipped here for want of GPUs (1): test_pairs.py::test_pair_a" in lines
+    assert "step te_inspect failed: needs te: not installed" in lines
+
+
 @pytest.mark.L1
 def test_the_dry_run_passes_and_writes_one_summary_line_per_step(tmp_path):
-    steps = ["environment", "memory", "hang", "sync", "bench"]
+    steps = ["environment", "memory", "hang", "sync", "bench", "te_train", "te_inspect"]
     run = subprocess.run(
         [sys.executable, "-m", "ci", "gpu-check", str(tmp_path), "--dry-run", "--only", ",".join(steps)],
         cwd=ROOT,
@@ -133,5 +203,11 @@ def test_the_dry_run_passes_and_writes_one_summary_line_per_step(tmp_path):
     assert by_step["sync"]["flops"] == by_step["sync"]["cpu_flops"] > 0
     assert set(by_step["bench"]["us_per_microbatch"]) == {"8", "512", "8192"}
     assert json.loads((tmp_path / "bench.json").read_text())["device"] == "cpu"
+    # The TE steps' CPU side: the harness calls, two runs bit-identical in fp32, the test's CPU twin.
+    te = by_step["te_train"]
+    assert te["bf16_loss_spread"] == 0.0 and te["use_te"] is False and te["platform"] == "cpu-gloo"
+    assert te["loss_after_load"] == te["loss_before_save"] and "GPU" in te["te"]
+    assert by_step["te_inspect"]["ran"] == 1 and "default-precision-1rank" in by_step["te_inspect"]["command"]
     for step in steps:
         assert f"[gpu-check] {step}" in run.stdout
+    assert "[gpu-check] not covered: the tests that need two GPUs" in run.stdout

@@ -4,13 +4,17 @@
     bash ci/gpu_check.sh OUTDIR [...]          (the same, after installing carried wheels, if any)
 
 One module per step (each one line in OUTDIR/summary.json, JSON per line, and printed as it
-finishes): ``environment``, ``memory``, ``hang``, ``sync``, ``bench``, ``gpt``, ``pytest``
-(`pytest_step`); `check` runs them within the time budget, `summary` writes what they found.
+finishes): ``environment``, ``memory``, ``hang``, ``sync``, ``bench``, ``gpt``, ``te_train``
+(Transformer Engine's layers, bf16, save/load, two runs' loss spread), ``te_inspect`` (the
+inspector through TE + nvdlfw-inspect), ``pytest`` (`pytest_step`); `check` runs them within the
+time budget, `summary` writes what they found. The check ends by saying what it did not cover
+(the tests that need two GPUs).
 
 ``--dry-run`` runs what the CPU can: the imports, the commands and environments the GPU steps
 would use, a real flight-recorder dump of a two-rank gloo desync (the CPU build writes the same
-format) parsed and diagnosed, the accounting calls, the benchmark's code on CPU tensors, and the
-pytest selection collected. Exit status 0 when every step passed (or dry-ran), 1 otherwise.
+format) parsed and diagnosed, the accounting calls, the benchmark's code on CPU tensors, the TE
+steps' harness calls and test without TE (which needs a GPU), and the pytest selection
+collected. Exit status 0 when every step passed (or dry-ran), 1 otherwise.
 
 Importing this package is stdlib-only: torch and the kit are imported by the steps as they run.
 """
@@ -70,5 +74,7 @@ def run(args: argparse.Namespace) -> int:
     mode = "dry run (CPU side only)" if args.dry_run else "on the GPU"
     print(f"[gpu-check] {mode}: steps {', '.join(args.only)}; results in {check.summary}", flush=True)
     status = check.run(args.only)
+    for line in check.not_covered():
+        print(f"[gpu-check] not covered: {line}", flush=True)
     print(f"[gpu-check] {'passed' if status == 0 else 'FAILED'}: {check.summary}", flush=True)
     return status

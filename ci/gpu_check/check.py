@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ci.gpu_check import bench, environment, gpt, hang, memory, pytest_step, sync
+from ci.gpu_check import bench, environment, gpt, hang, memory, pytest_step, sync, te_inspect, te_train
 from ci.gpu_check.summary import CheckState, StepFailed, StepResult, exit_status, record
 
 # Each step: a function of the running check giving its figures (or raising StepFailed).
@@ -19,8 +19,16 @@ STEP_FUNCTIONS: dict[str, Callable[[CheckState], dict[str, Any]]] = {
     "sync": sync.step,
     "bench": bench.step,
     "gpt": gpt.step,
+    "te_train": te_train.step,
+    "te_inspect": te_inspect.step,
     "pytest": pytest_step.step,
 }
+# What one GPU cannot cover, said at the end of every check (the GPU CI rows run it, on two GPUs).
+NOT_COVERED = (
+    "the tests that need two GPUs (NCCL between ranks: CP=2 pretrain->SFT with TE, TE attention "
+    "against the reference, the 2-rank te-nvdlfw inspector, PP and PP x VPP over NCCL, the NCCL "
+    "faults) and their <gpu>-nccl golden files: the L0/L1/L2 GPU rows run them"
+)
 # A step starts only with this many seconds of the budget left; otherwise it is skipped.
 MIN_STEP_S = 10
 
@@ -47,6 +55,19 @@ class Check(CheckState):
             self.results.append(result)
             record(self.summary, result)
         return exit_status(self.results)
+
+    def not_covered(self) -> list[str]:
+        """What this check did not cover: the two-GPU tests, and any step that did not pass."""
+        lines = [NOT_COVERED]
+        for result in self.results:
+            skipped = result.figures.get("not_covered")
+            if isinstance(skipped, list) and skipped:
+                lines.append(f"skipped here for want of GPUs ({len(skipped)}): {', '.join(skipped)}")
+            elif isinstance(skipped, str):
+                lines.append(skipped)
+            if result.status not in ("ok", "dry-ok"):
+                lines.append(f"step {result.step} {result.status}: {result.detail}")
+        return lines
 
     def _run_step(self, name: str) -> StepResult:
         """One step's result: its figures, its failure, or skipped when the budget is spent."""

@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from ci.gpu_check.summary import CheckState
 
 
-def gpt_rank(rank: int, world_size: int, root: str, steps: int) -> dict[str, Any]:
+def gpt_rank(rank: int, world_size: int, root: str, steps: int, use_te: bool = False) -> dict[str, Any]:
     """The 1-rank megatron-core GPT run (the one call into the training harness)."""
-    return train_save_load(root, steps)
+    return train_save_load(root, steps, use_te=use_te)
 
 
 def _packs(max_sequence_length: int) -> list[Any]:
@@ -36,12 +36,15 @@ def _packs(max_sequence_length: int) -> list[Any]:
     return pack_examples(examples, max_sequence_length, 1, pad_id=0)
 
 
-def train_save_load(root: str, steps: int) -> dict[str, Any]:
+def train_save_load(root: str, steps: int, *, use_te: bool = False) -> dict[str, Any]:
     """Train `steps` steps with `fixtures.training.Trainer`, save, load into a fresh model, compare.
 
     The only place the check uses the harness's public API (Trainer, ModelConfig, ParallelConfig,
     TrainConfig; train_step, forward_loss, save, load, close), so a change there is one edit here.
-    Reference attention (``use_te=False``): TE is not carried to the check's machine.
+    ``use_te=False``: megatron's local layers with the kit's reference attention (step ``gpt``);
+    ``use_te=True``: Transformer Engine's layer spec, which raises with the reason where TE cannot
+    be used (step ``te_train``). Also names the rank's own device, the golden platform and the
+    peak FLOP/s key it gives (the keys the kit takes from a rank's device).
     """
     import torch
 
@@ -54,8 +57,15 @@ def train_save_load(root: str, steps: int) -> dict[str, Any]:
     probe = packs[2 * steps : 2 * steps + 2] or packs[:2]
     out: dict[str, Any] = {}
     with cpu_shim():
-        trainer = Trainer(model, ParallelConfig(), TrainConfig(use_te=False, lr=3e-3))
+        trainer = Trainer(model, ParallelConfig(), TrainConfig(use_te=use_te, lr=3e-3))
         params = list(trainer.model[0].module.parameters())
+        out["te_modules"] = sorted(
+            {
+                type(m).__name__
+                for m in trainer.model[0].modules()
+                if "transformer_engine" in type(m).__module__
+            }
+        )
         out["param_dtypes"] = sorted({str(p.dtype) for p in params})
         out["param_device"] = str(params[0].device)
         t0 = time.perf_counter()
@@ -68,7 +78,7 @@ def train_save_load(root: str, steps: int) -> dict[str, Any]:
         out["loss_before_save"] = trainer.forward_loss(probe)
         trainer.save(root)
         trainer.close()
-        fresh = Trainer(model, ParallelConfig(), TrainConfig(use_te=False, lr=3e-3, seed=99))
+        fresh = Trainer(model, ParallelConfig(), TrainConfig(use_te=use_te, lr=3e-3, seed=99))
         out["loss_fresh"] = fresh.forward_loss(probe)
         out["loaded_iteration"] = fresh.load(root)
         out["loss_after_load"] = fresh.forward_loss(probe)
@@ -76,7 +86,25 @@ def train_save_load(root: str, steps: int) -> dict[str, Any]:
         fresh.close()
         destroy_model_parallel()
     out["bf16"] = torch.cuda.is_available()
+    out.update(device_keys(torch.distributed.get_backend()))
     return out
+
+
+def device_keys(backend: str) -> dict[str, Any]:
+    """This rank's own device and the keys the kit derives from it: golden platform, peak FLOP/s."""
+    from accounting.throughput import lookup_peak
+    from megatron_testkit.devices import rank_device_name
+    from megatron_testkit.golden import launch_platform
+
+    device = rank_device_name()
+    peak, key_or_reason = lookup_peak(device) if device else (None, "no CUDA device in this rank")
+    return {
+        "device": device,
+        "platform": launch_platform(backend, device),
+        "peak_key": key_or_reason if peak else None,
+        "peak_bf16_flops": peak,
+        "peak_missing": None if peak else key_or_reason,
+    }
 
 
 def step(check: CheckState) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 The collective's stream is held by a sleeping kernel, on a group with megatron's 30-minute
 timeout; the flight-recorder dump requested through ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` is
-collected and parsed into "collective #N not completed on rank 0". The dry run instead diagnoses
-a real dump of a two-rank gloo desync (the CPU build writes the same format).
+collected and parsed into "collective #N not completed on rank 0". Each run writes into a folder of
+its own (`fresh_run_dir`), so a rerun into the same OUTDIR never reads the previous run's dump.
+The dry run instead diagnoses a real dump of a two-rank gloo desync (the CPU build writes the
+same format).
 Rank functions are module-level so `run_ranks` can import them by name in fresh processes.
 """
 
@@ -71,8 +73,7 @@ def step(check: CheckState) -> dict[str, Any]:
     """On the GPU: the hang verdict and the dump taken while the collective is stuck."""
     from megatron_testkit import flight_recorder as fr
 
-    fr_dir = check.out / "flight_recorder"
-    fr_dir.mkdir(parents=True, exist_ok=True)
+    fr_dir = fresh_run_dir(check.out / "flight_recorder")
     if check.dry:
         return canned_dump(check, fr_dir)
     env = fr.nccl_env(fr_dir)
@@ -95,8 +96,21 @@ def step(check: CheckState) -> dict[str, Any]:
     (check.out / "hang_message.txt").write_text(outcome.get("message", ""))
     expect(outcome.get("verdict") == "rank 0 hang", f"an NCCL hang gave {outcome.get('verdict')}")
     expect(dumps[0] == "dumped", f"flight-recorder dump through the pipe: {dumps[0]}")
-    figures.update(_diagnosis(stem))
+    figures.update(_diagnosis(stem), dump_dir=str(fr_dir))
     return figures
+
+
+def fresh_run_dir(parent: Path) -> Path:
+    """A new, empty folder under ``parent`` for this run's dumps, pipes and marker.
+
+    `flight_recorder.wait_for_dumps` takes any readable ``<stem>0`` as the dump it asked for:
+    rerun into the same OUTDIR, a previous run's dump would read as "dumped" at once and its
+    trace be diagnosed as this run's. In a folder of its own no earlier file can be there.
+    """
+    import tempfile
+
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="run-", dir=parent))
 
 
 def _launch(env: dict[str, str], marker: Path, outcome: dict[str, Any]) -> None:
@@ -147,4 +161,9 @@ def canned_dump(check: CheckState, fr_dir: Path) -> dict[str, Any]:
         ),
         f"the canned desync was not diagnosed: {lines}",
     )
-    return {"nccl_env": env, "canned_dump_version": traces[0].version, "diagnosis": lines}
+    return {
+        "nccl_env": env,
+        "canned_dump_version": traces[0].version,
+        "diagnosis": lines,
+        "dump_dir": str(fr_dir),
+    }
