@@ -61,8 +61,8 @@ def test_pair_b():
 """
 
 
-def _junit(tmp_path: Path, one_runs: bool) -> Path:
-    """A real junit XML file written by pytest for SKIPPING_TESTS."""
+def _junit(tmp_path: Path, one_runs: bool, *extra: str) -> Path:
+    """A real junit XML file written by pytest for SKIPPING_TESTS (``extra``: more pytest arguments)."""
     (tmp_path / "test_pairs.py").write_text(SKIPPING_TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     junit = tmp_path / f"junit-{one_runs}.xml"
@@ -75,6 +75,7 @@ def _junit(tmp_path: Path, one_runs: bool) -> Path:
             "-p",
             "no:cacheprovider",
             f"--junitxml={junit}",
+            *extra,
             "test_pairs.py",
         ],
         cwd=tmp_path,
@@ -147,27 +148,8 @@ def test_the_te_training_step_needs_transformer_engine_on_the_gpu_and_says_so(tm
 def test_the_check_says_which_tests_one_gpu_did_not_cover(tmp_path):
     from ci.gpu_check.summary import StepResult
 
-    (tmp_path / "test_pairs.py").write_text(SKIPPING_TESTS)
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
     reports = tmp_path / "reports"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--kit-report={reports}",
-            "test_pairs.py",
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "ONE_RUNS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    _junit(tmp_path, True, f"--kit-report={reports}")
     skipped = pytest_step.needing_more_gpus(reports / "kit-report.json")
     assert skipped == ["test_pairs.py::test_pair_a"]  # test_pair_b ran
     check = gpu_check.Check(tmp_path, dry_run=False, budget_s=60)

@@ -29,19 +29,7 @@ ALLOWED_SKIPS = (*GPU_ALLOWED_SKIPS, "gpus")
 
 def pytest_command(out: Path) -> tuple[list[str], dict[str, str]]:
     """The pytest command and environment of the step, its report under `out`/pytest."""
-    report = out / "pytest"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        "L0 and gpu",
-        "-p",
-        "no:randomly",
-        "-q",
-        f"--kit-report={report}",
-        f"--junitxml={report}/junit.xml",
-    ]
+    cmd = pytest_argv(["-m", "L0 and gpu"], out / "pytest")
     env = {
         "KIT_REQUIRE_GPUS": "1",
         ALLOWED_SKIPS_ENV: ",".join(ALLOWED_SKIPS),
@@ -50,6 +38,21 @@ def pytest_command(out: Path) -> tuple[list[str], dict[str, str]]:
         "PYTHONUNBUFFERED": "1",
     }
     return cmd, env
+
+
+def pytest_argv(selection: list[str], report: Path) -> list[str]:
+    """pytest on ``selection`` (``-m EXPR`` or node ids), unshuffled, its kit report and JUnit XML in ``report``."""
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        *selection,
+        "-p",
+        "no:randomly",
+        "-q",
+        f"--kit-report={report}",
+        f"--junitxml={report}/junit.xml",
+    ]
 
 
 def step(check: CheckState) -> dict[str, Any]:

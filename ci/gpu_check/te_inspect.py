@@ -11,10 +11,9 @@ import). The dry run runs the same test's 1-rank CPU variant for real (hooks, fp
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any
 
-from ci.gpu_check.pytest_step import ROOT, junit_counts, run_pytest
+from ci.gpu_check.pytest_step import ROOT, junit_counts, pytest_argv, run_pytest
 from ci.gpu_check.summary import expect
 from ci.jobs import ALLOWED_SKIPS_ENV
 
@@ -32,17 +31,7 @@ def step(check: CheckState) -> dict[str, Any]:
 
     report = check.out / "te_inspect"
     nodeid = f"{TEST}[{CPU_VARIANT if check.dry else GPU_VARIANT}]"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        nodeid,
-        "-p",
-        "no:randomly",
-        "-q",
-        f"--kit-report={report}",
-        f"--junitxml={report}/junit.xml",
-    ]
+    cmd = pytest_argv([nodeid], report)
     env = {
         "KIT_REQUIRE_GPUS": "0" if check.dry else "1",
         ALLOWED_SKIPS_ENV: "",
