@@ -9,11 +9,13 @@ dataclass field names below and do not change without a new `REPORT_VERSION`.
 from __future__ import annotations
 
 import math
+import os
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from accounting.json_input import JsonInputError, load_json, printable
 from megatron_testkit.metrics import TestMetrics
 
 # 2: TestEntry.metrics (recorded series). Optional additions that older readers parse unchanged
@@ -43,10 +45,34 @@ MAX_TEXT_CHARS = 1 << 20
 # Integers are C int64 where the kit writes them; floats (durations, epoch seconds) are finite.
 MAX_INT = 2**63 - 1
 MAX_FLOAT = 1e15
+# The largest report read: about 1 kB per test plus failure text the writer clips to 20 000
+# characters, so 32 MiB holds a whole suite that failed; parsed, it is roughly ten times that.
+MAX_REPORT_BYTES = 32 * 2**20
 
 
 class SchemaError(ValueError):
     """A report, or part of one, that does not follow this schema; the message says where."""
+
+
+class ReportError(ValueError):
+    """A report that is missing, too large, not JSON, or not a well-formed kit report (version 1 or 2)."""
+
+
+def read_report(path: str | os.PathLike[str]) -> Report:
+    """The kit report at `path`: read by the bounded reader (`accounting.json_input`: a regular
+    file of at most `MAX_REPORT_BYTES`, strict JSON, bounded depth), then checked field by field
+    (`check_report`); `ReportError` in one line naming the file and the field otherwise."""
+    try:
+        data = load_json(path, limit=MAX_REPORT_BYTES, what="kit report")
+    except JsonInputError as exc:
+        raise ReportError(str(exc)) from None
+    try:
+        return check_report(data)
+    except SchemaError as exc:
+        name = printable(os.fspath(path), 300)
+        if str(exc).startswith("not a version"):
+            raise ReportError(f"{name} is {exc}") from None
+        raise ReportError(f"{name}: {printable(str(exc), 300)}") from None
 
 
 @dataclass
