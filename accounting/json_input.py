@@ -33,7 +33,14 @@ _MISSING: Any = object()
 
 
 class JsonInputError(ValueError):
-    """Untrusted JSON input that is unreadable, too large, not strict JSON, or of the wrong shape."""
+    """Untrusted JSON input that is unreadable, too large, not strict JSON, or of the wrong shape.
+
+    ``strerror`` is the system's reason when the file could not be opened or read (else None), for
+    callers whose own message says "cannot read <path>"."""
+
+    def __init__(self, message: str, strerror: str | None = None) -> None:
+        super().__init__(message)
+        self.strerror = strerror
 
 
 def printable(text: str, width: int | None = None) -> str:
@@ -63,7 +70,8 @@ def read_regular_file(path: str | os.PathLike[str], limit: int, what: str = "fil
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise JsonInputError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+        reason = exc.strerror or str(exc)
+        raise JsonInputError(f"{where}: cannot read it ({reason})", reason) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise JsonInputError(f"{where} is not a regular file")
@@ -71,7 +79,8 @@ def read_regular_file(path: str | os.PathLike[str], limit: int, what: str = "fil
         try:
             data = handle.read(limit + 1)
         except OSError as exc:
-            raise JsonInputError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+            reason = exc.strerror or str(exc)
+            raise JsonInputError(f"{where}: cannot read it ({reason})", reason) from None
     if len(data) > limit:
         raise JsonInputError(f"{where} is larger than {limit} bytes, the most it may be")
     return data
