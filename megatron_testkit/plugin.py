@@ -241,7 +241,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(kit_session, "kit-session-report")
         if kit_session.logs is not None:
             attribution.set_log_root(str(kit_session.logs.path))
-    config.stash[_SAVED_SIGNALS] = _stop_signals_as_interrupt()
+    config.stash[_SAVED_SIGNALS] = _stop_signals_as_interrupt(config)
 
 
 def _register_skip_policy(config: pytest.Config) -> None:
@@ -289,7 +289,7 @@ def _check_rank_cgroup() -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
-def _stop_signals_as_interrupt() -> dict[int, Any]:
+def _stop_signals_as_interrupt(config: pytest.Config) -> dict[int, Any]:
     """SIGTERM, SIGHUP and SIGQUIT as Ctrl-C. As a KeyboardInterrupt, the launcher kills the ranks
     and their helpers and pytest ends the session, writing the report and junit. Later stop
     signals are ignored while that cleanup runs. Only a default handler is replaced (never one
@@ -309,8 +309,12 @@ def _stop_signals_as_interrupt() -> dict[int, Any]:
         if signum == signal.SIGQUIT:
             import faulthandler
 
-            with contextlib.suppress(Exception):
+            # To the terminal or the CI log, not into the running test's captured output.
+            capman = config.pluginmanager.getplugin("capturemanager")
+            uncaptured = capman.global_and_fixture_disabled() if capman else contextlib.nullcontext()
+            with contextlib.suppress(Exception), uncaptured:
                 sys.stderr.write(f"kit: {name}: the stack of every thread, then the session stops\n")
+                sys.stderr.flush()
                 faulthandler.dump_traceback(all_threads=True)
         raise KeyboardInterrupt(f"signal {signum} ({name}){source if signum == signal.SIGTERM else ''}")
 

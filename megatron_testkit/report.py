@@ -297,7 +297,12 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"{session.get('host', '?')}, {session.get('cpu_count', '?')} CPUs, {session.get('gpus', 0)} GPUs, "
         f"torch {session.get('torch') or '-'}, megatron-core {session.get('megatron_core') or '-'}, "
         f"{session.get('duration_s', 0):.1f} s, `-m {session.get('markexpr') or '(all)'}`"
-        + (f", CI job `{session['ci_job']}`" if session.get("ci_job") else ""),
+        + (f", CI job `{session['ci_job']}`" if session.get("ci_job") else "")
+        + (
+            f"; {len(session['sessions'])} sessions that shared this report folder, every row kept"
+            if session.get("sessions")
+            else ""
+        ),
         "",
         "| " + " | ".join(_COLUMNS) + " |",
         "|" + "|".join("---" for _ in _COLUMNS) + "|",
