@@ -190,6 +190,8 @@ def test_a_malformed_kit_variable_is_a_usage_error_naming_it(tmp_path: Path) -> 
         "KIT_RANK_TIMEOUT": "nan",  # would disable hang detection
         "KIT_HOST_MEMORY": "lots",  # was blamed on the first launch's test
         "KIT_SEED": "seven",  # was blamed on the first launch's test
+        "KIT_RANK_LOG_BYTES": "1KiB",  # could not hold one traceback
+        "KIT_GOLDEN_PLATFORM": "../../x",  # wrote a candidate outside the test's folder
     }
     for name, value in cases.items():
         proc = _start(tmp_path, "def test_nothing():\n    pass\n", env={**os.environ, name: value})
@@ -198,6 +200,25 @@ def test_a_malformed_kit_variable_is_a_usage_error_naming_it(tmp_path: Path) -> 
         errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
         assert len(errors) == 1 and name in errors[0] and repr(value) in errors[0], (name, output[-2000:])
         assert "Traceback" not in output
+
+
+@pytest.mark.L0
+def test_a_report_folder_that_is_a_file_or_has_a_linked_logs_folder_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "reports" / "logs").symlink_to(tmp_path / "elsewhere")
+    for folder, says in (("afile", "cannot use it as a folder"), ("reports", "is a link")):
+        proc = _start(tmp_path, "def test_nothing():\n    pass\n", f"--kit-report={folder}")
+        output = proc.communicate(timeout=120)[0]
+        assert proc.returncode == pytest.ExitCode.USAGE_ERROR, output[-2000:]
+        errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
+        assert len(errors) == 1 and f"--kit-report={folder}" in errors[0] and says in errors[0], output[
+            -2000:
+        ]
+        assert "Traceback" not in output and "INTERNALERROR" not in output
+    assert (tmp_path / "afile").read_text() == "mine"
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 TWO_RANKS = textwrap.dedent(
