@@ -103,7 +103,8 @@ class Comparison:
         """The inverse of `to_json`, strict: `MetricError` naming ``where`` and the field."""
         if not isinstance(data, dict):
             raise MetricError(f"{where} is not an object with 'kind'")
-        kind, tolerance, why = data.get("kind"), data.get("tolerance", 0.0), data.get("why", "")
+        kind, tolerance, why = data.get("kind"), data.get("tolerance"), data.get("why", "")
+        tolerance = 0.0 if tolerance is None else tolerance  # absent or null: none (exact, none)
         if not isinstance(kind, str) or kind not in KINDS:
             raise MetricError(f"{where}.kind is not one of {', '.join(KINDS)}")
         if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not _finite(tolerance):
