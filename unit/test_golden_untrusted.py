@@ -23,7 +23,6 @@ from megatron_testkit import golden_plugin
 from megatron_testkit.metrics import (
     EXACT,
     Comparison,
-    MetricError,
     MetricSeries,
     MetricsRecorder,
     TestMetrics,
@@ -212,6 +211,8 @@ def test_golden_diff_prints_escape_sequences_escaped(
 
 
 def test_values_and_names_are_checked_when_recorded_naming_the_metric() -> None:
+    from megatron_testkit.metrics import MetricError
+
     rec = MetricsRecorder()
     for value in (math.nan, math.inf, -math.inf):
         with pytest.raises(MetricError, match=r"metric 'loss\[1\]': value .* is not finite"):

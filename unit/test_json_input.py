@@ -1,7 +1,7 @@
 """`accounting.json_input`: the one bounded reader of untrusted JSON, and the files that read through it.
 
 Every payload here is one an attacker or an unlucky user produced against an earlier reader: a
-FIFO nobody writes, a link to /dev/zero, NaN, a number that overflows to infinity, a duplicate
+FIFO nobody writes, a link to /dev/zero (`--hf-config`'s cases are in unit/test_hf_config.py), NaN, a number that overflows to infinity, a duplicate
 key, nesting past the recursion limit, a 5000-digit integer. Each must be a one-line
 `JsonInputError` naming the file (and the field, for the typed helpers), never a hang, a
 traceback or gigabytes read.
@@ -150,34 +150,3 @@ def test_importing_the_reader_imports_no_torch() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "False"
-
-
-# ---- --hf-config reads through it -----------------------------------------------------------------
-
-
-def _flops_cli(config: Path) -> subprocess.CompletedProcess[str]:
-    # A timeout, not a hang: the old reader waited on a FIFO forever and read /dev/zero into memory.
-    return subprocess.run(
-        [sys.executable, "-m", "accounting", "flops", "--hf-config", str(config), "--seq-len", "8"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-
-
-def test_hf_config_that_is_a_fifo_or_dev_zero_is_a_one_line_error(tmp_path: Path) -> None:
-    fifo = tmp_path / "config.json"
-    os.mkfifo(fifo)
-    zero = tmp_path / "zero.json"
-    zero.symlink_to("/dev/zero")
-    for path in (fifo, zero):
-        result = _flops_cli(path)
-        assert result.returncode == 2, result.stderr
-        assert "is not a regular file" in result.stderr and result.stderr.count("\n") == 1, result.stderr
-
-
-def test_hf_config_with_nan_is_refused(tmp_path: Path) -> None:
-    from accounting import ModelShape
-
-    path = tmp_path / "config.json"
-    path.write_text('{"model_type": "llama", "hidden_size": NaN}')
-    with pytest.raises(ValueError, match=r"^hf config .*NaN is not a JSON number"):
-        ModelShape.from_hf_config(path)

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from megatron_testkit.report import build_report, write_report
-from megatron_testkit.safe_write import Folder, WriteRefused, check_relative
 
 pytestmark = pytest.mark.L0
 
@@ -32,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_path_that_would_leave_the_folder_is_refused_before_anything_is_opened(
     relative: str, tmp_path: Path
 ) -> None:
+    from megatron_testkit.safe_write import Folder, WriteRefused
+
     folder = Folder(tmp_path / "golden")
     with pytest.raises(WriteRefused) as err:
         folder.write_text(relative, "{}")
@@ -41,6 +42,8 @@ def test_a_path_that_would_leave_the_folder_is_refused_before_anything_is_opened
 
 
 def test_a_link_inside_the_folder_dangling_or_not_is_refused_with_its_name(tmp_path: Path) -> None:
+    from megatron_testkit.safe_write import Folder, WriteRefused
+
     folder = Folder(tmp_path / "golden")
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -58,6 +61,8 @@ def test_a_link_inside_the_folder_dangling_or_not_is_refused_with_its_name(tmp_p
 
 
 def test_links_above_the_folder_are_the_users_own_and_work(tmp_path: Path) -> None:
+    from megatron_testkit.safe_write import Folder
+
     real = tmp_path / "real-home"
     (real / "project").mkdir(parents=True)
     (tmp_path / "home").symlink_to(real)  # a checkout under a linked home, macOS's /var
@@ -69,6 +74,8 @@ def test_links_above_the_folder_are_the_users_own_and_work(tmp_path: Path) -> No
 
 
 def test_a_fifo_or_a_folder_where_a_file_belongs_is_refused(tmp_path: Path) -> None:
+    from megatron_testkit.safe_write import Folder, WriteRefused
+
     folder = Folder(tmp_path)
     os.mkfifo(tmp_path / "fifo.json")
     (tmp_path / "dir.json").mkdir()
@@ -78,6 +85,8 @@ def test_a_fifo_or_a_folder_where_a_file_belongs_is_refused(tmp_path: Path) -> N
 
 
 def test_a_folder_that_is_a_file_is_a_one_line_refusal(tmp_path: Path) -> None:
+    from megatron_testkit.safe_write import Folder, WriteRefused, check_relative
+
     (tmp_path / "reports").write_text("not a folder")
     with pytest.raises(WriteRefused) as err:
         Folder(tmp_path / "reports", what="--kit-report folder")
