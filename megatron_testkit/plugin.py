@@ -141,7 +141,10 @@ class _KitSession:
         if self.report_dir is not None:
             try:
                 self.written = write_report(self.report, self.report_dir)
-            except WriteRefused as exc:  # a full disk, a link: the previous report is left whole
+            except (
+                WriteRefused,
+                ValueError,
+            ) as exc:  # a full disk, a link: the previous report is left whole
                 self.written = f"kit: the report was not written: {exc}"
                 sys.stderr.write(self.written + "\n")
 
