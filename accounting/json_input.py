@@ -30,6 +30,7 @@ MAX_DEPTH = 64
 DEFAULT_LIMIT = 32 * 2**20
 
 _MISSING: Any = object()
+_CONTAINERS = (dict, list)
 
 
 class JsonInputError(ValueError):
@@ -123,7 +124,7 @@ def parse_json(data: str | bytes, *, where: str, max_depth: int = MAX_DEPTH) -> 
         ) from None
     except ValueError as exc:  # a refused constant, an overflowing number, a duplicate key, digits
         raise JsonInputError(f"{where} is not JSON the kit reads: {printable(str(exc), 120)}") from None
-    if _depth(value) > max_depth:
+    if _depth(value, max_depth) > max_depth:
         raise JsonInputError(f"{where} is not JSON the kit reads: nested deeper than {max_depth} levels")
     return value
 
@@ -140,28 +141,26 @@ def _finite_float(text: str) -> float:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {printable(key, 60)!r} appears twice in one object")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):  # rare: only then find the key that repeats
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"key {printable(key, 60)!r} appears twice in one object")
     return out
 
 
-def _depth(value: Any) -> int:
-    """The nesting depth of a parsed value (a scalar is 0), without recursion."""
-    deepest, todo = 0, [(value, 0)]
-    while todo:
-        item, level = todo.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, level + 1)
-        todo.extend((child, level + 1) for child in children if isinstance(child, dict | list))
-    return deepest
+def _depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """The nesting depth of a parsed value (a scalar is 0), level by level without recursion;
+    stops counting past `limit`. (json only makes plain dicts and lists.)"""
+    level = [value] if type(value) in _CONTAINERS else []
+    depth = 0
+    while level and depth <= limit:
+        depth += 1
+        below: list[Any] = []
+        for item in level:
+            below += [c for c in (item.values() if type(item) is dict else item) if type(c) in _CONTAINERS]
+        level = below
+    return depth
 
 
 # ---- typed fields: one check a field, one line naming it ------------------------------------------

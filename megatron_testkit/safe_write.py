@@ -60,7 +60,6 @@ class Folder:
     """An allowed folder, resolved once; everything written below it is contained and atomic."""
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = True, what: str = "folder") -> None:
-        self.what = what
         self.path = Path(os.path.realpath(root))  # once: links above the folder are the user's own
         try:
             if create:
@@ -106,10 +105,6 @@ class Folder:
             yield fd
         finally:
             os.close(fd)
-
-    def target(self, relative: str | os.PathLike[str]) -> Path:
-        """Where `relative` lies (checked to stay inside the folder); nothing is opened."""
-        return self.path.joinpath(*check_relative(relative))
 
     def write_bytes(self, relative: str | os.PathLike[str], data: bytes) -> Path:
         """Write `data` to `relative` atomically (temporary file, fsync, rename); the path written."""
