@@ -1,4 +1,9 @@
-"""`python -m ci <command>`: the one command line of the CI tooling, a table of subcommands.
+"""`python -m ci <command>`: the one command line of this repository's CI tooling, a table of subcommands.
+
+`job`, `gpu-check` and `bench` are this repository's own (its rows, `ci/jobs.py`). `repro`, `chart`,
+`merge-reports` and `golden` are the kit's shipped commands (`python -m megatron_testkit ...`,
+what a user's project runs), here under this repository's name: `repro` with the rows of
+`ci/jobs.py`, the others as they ship. One implementation of each.
 
 Adding a subcommand is one row of `COMMANDS`: its name, one line of help, a function adding its
 arguments to its parser and the function that runs it, both usually ``_lazy("ci.module.function")``:
@@ -91,9 +96,9 @@ def _chart(args: argparse.Namespace) -> int:
     report = Path(args.reports[0]) if args.reports else Path("reports/kit-report.json")
     if not report.is_file():
         raise UsageError(f"no report at {report}")
-    from ci.charts import main as chart
+    from megatron_testkit.charts import main as chart
 
-    return chart([str(report)])  # an unusable report: one line, exit 2 (the report is untrusted)
+    return chart([str(report)], prog=PROG)  # an unusable report: one line, exit 2 (it is untrusted)
 
 
 # ------------------------------------------------------------------- commands in their own modules
@@ -107,10 +112,10 @@ def _lazy(target: str) -> Callable[..., Any]:
     return call
 
 
-def _own_parser(target: str) -> Callable[[argparse.Namespace], int]:
-    """A command whose ``main(argv)`` parses its own arguments: it gets all of them."""
+def _own_parser(target: str, *extra: Any) -> Callable[[argparse.Namespace], int]:
+    """A command whose ``main(argv, *extra)`` parses its own arguments: it gets all of them."""
     main = _lazy(target)
-    return lambda args: main(args.rest)
+    return lambda args: main(args.rest, *extra)
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -133,7 +138,7 @@ COMMANDS: tuple[Command, ...] = (
         "merge-reports",
         "merge per-node kit reports of a torchrun job: OUT DIR...",
         None,
-        _own_parser("ci.merge_reports.main"),
+        _own_parser("megatron_testkit.merge_nodes.main", PROG),
     ),
     Command(
         "gpu-check",
@@ -145,7 +150,7 @@ COMMANDS: tuple[Command, ...] = (
         "golden",
         "golden values: update REPORT (write them from a run), diff A.json B.json (compare two runs)",
         None,
-        _own_parser("ci.golden.main"),
+        _own_parser("megatron_testkit.golden_tool.main", f"{PROG} golden"),
     ),
     Command(
         "bench",

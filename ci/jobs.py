@@ -308,7 +308,7 @@ def summary_markdown(job: Job, reports: Path) -> str:
     golden files to make (when its platform lacks some), how to rerun."""
     if job.suite == "bench":
         return _bench_summary(job, reports)
-    from ci.charts import memory_charts_markdown
+    from megatron_testkit.charts import memory_charts_markdown
 
     md = reports / "kit-report.md"
     parts = [
@@ -368,11 +368,13 @@ def run_job(name: str, *, dry_run: bool = False) -> int:
     (reports / "nccl").mkdir(parents=True, exist_ok=True)
     for stale in ("kit-report.json", "kit-report.md", Path(BENCH_MARKDOWN).name):
         (reports / stale).unlink(missing_ok=True)  # a previous run's report is not this run's
-    from ci.child import run_child  # SIGTERM/SIGINT reach pytest, and the summary is still written
+    from megatron_testkit.child import (
+        run_child,  # SIGTERM/SIGINT reach pytest, and the summary is still written
+    )
 
     returncode = run_child(job.command(), cwd=ROOT, env={**os.environ, **job.environment(reports)})
     if job.suite == "tests":
-        from ci.charts import write_png
+        from megatron_testkit.charts import write_png
 
         png = write_png(reports / "kit-report.json", reports / "kit-memory.png")
         print(f"ci job {job.name}: {png}", flush=True)

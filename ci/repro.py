@@ -1,499 +1,59 @@
-"""`python -m ci repro`: run a tier, or the failures of a CI report, the way the CI job ran them.
+"""`python -m ci repro`: the kit's repro (`megatron_testkit.repro`) with this repository's rows.
 
-The job is a row of `ci/jobs.py` (the CPU row, or the GPU row with `--gpus N`): its pytest
-arguments, its environment and its memory limits, with the runner's memory applied to the whole
-run (`ci/limits.py`). pytest's own progress streams through; afterwards the output leads with one
-verdict per failed test (rank, oom | error | crash | hang, first error line, peak memory against
-the budget). With `--from-report` it reruns exactly the node ids that failed in a CI report (same
-ids, so the launcher derives the same seeds; same tests, so the same world sizes) and prints the
-CI verdict next to the local one.
-
-Bad arguments (unknown tier, unparsable size, unusable report) are a one-line error and exit 2.
+The shipped command reads a project's rows from its pyproject; this repository's rows are the
+CI jobs of `ci/jobs.py` (what the workflows run), so the same command here emulates exactly them:
+each `Job` becomes a `Row` with the same pytest arguments, environment, limits and megatron-core
+release, and the hint for another release is this repository's ``ci/setup.sh`` line.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import shlex
-import shutil
-import subprocess
-import sys
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, NoReturn
 
-from ci.child import start as start_child
-from ci.child import wait_forwarding
-from ci.jobs import DEVICE_MEMORY_ENV, HOST_MEMORY_ENV, JOBS, ROOT, TIERS, Job, job_for, pytest_args
-from ci.limits import METHODS, RANK_CGROUP_ENV, Kill, MemoryLimit, apply_memory_limit
-from ci.nodeids import check as check_nodeids
-from ci.report_input import printable
-from ci.verdicts import (
-    ReportError,
-    Verdict,
-    failed_tests,
-    format_comparison,
-    format_verdicts,
-    junit_first_lines,
-    load_report,
-    tests_by_id,
-    verdict,
-)
-from megatron_testkit.budgets import format_size, parse_size
-from megatron_testkit.schema import MAX_GPUS
+from ci.jobs import JOBS, ROOT, Job
+from megatron_testkit import repro as kit_repro
+from megatron_testkit.repro_rows import Row
 
 PROG = "python -m ci repro"
+# What the tests of this module use from the shipped command, under the names they always had.
+format_comparison = kit_repro.format_comparison
+recorded_seed = kit_repro.recorded_seed
+collected_ids = kit_repro.collected_ids
+with_kills = kit_repro.with_kills
+_note_in_markdown = kit_repro._note_in_markdown
 
 
-class UsageError(Exception):
-    """A bad command line or input file: printed as one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command line; `--help` shows it."""
-    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("tier", nargs="?", help="L0, L1 or L2 (default: the report's tier, else L0)")
-    p.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k expression")
-    p.add_argument(
-        "--job", metavar="NAME", help=f"the CI row to emulate, e.g. a megatron-core row ({', '.join(JOBS)})"
+def row(job: Job) -> Row:
+    """The kit's row for one of this repository's CI jobs."""
+    release = job.megatron_core
+    return Row(
+        name=job.name,
+        tier=job.tier,
+        selection=("-m", job.tier),
+        pytest_args=tuple(job.extra_pytest_args()),
+        env=job.environment(Path("{reports}")),
+        host_memory=job.host_memory,
+        device_memory=job.device_memory,
+        gpus=job.gpus,
+        megatron_core=release,
+        runs_on=job.runs_on,
+        runs_tests=job.suite == "tests",
+        not_tests="the benchmarks, not tests: python -m ci bench",
+        setup_hint=(
+            f"KIT_MEGATRON_CORE={release} KIT_VENV=.venv-{release} bash ci/setup.sh, "
+            f"then .venv-{release}/bin/python -m ci repro ..."
+        ),
     )
-    p.add_argument("--gpus", type=int, metavar="N", help="emulate the GPU job with N GPUs (default: CPU job)")
-    p.add_argument(
-        "--host-memory", metavar="SIZE", help="the runner's memory for the whole run (default: the job's)"
-    )
-    p.add_argument(
-        "--device-memory", metavar="SIZE", help="per-GPU memory of the CI card (default: the job's)"
-    )
-    p.add_argument(
-        "--from-report", metavar="JSON", help="rerun the tests that failed in this kit-report.json"
-    )
-    p.add_argument("--reports", metavar="DIR", help="where the local report goes (default: reports/repro)")
-    p.add_argument("--root", metavar="DIR", default=str(ROOT), help="the project to test (default: this one)")
-    p.add_argument("--limit-method", choices=("auto", *METHODS), default="auto", help="how to cap the run")
-    p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
-    p.add_argument(
-        "--hypothesis-seed",
-        type=int,
-        metavar="N",
-        help="hypothesis's seed (default: the one the report's run recorded, if any)",
-    )
-    p.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
-    return p
 
 
-def _size(text: str | None, flag: str) -> int | None:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise UsageError(f"{flag}: {exc}") from None
+def rows(_root: Path) -> dict[str, Row]:
+    """Every row of `ci/jobs.py`, in its order (whatever project `--root` names)."""
+    return {name: row(job) for name, job in JOBS.items()}
 
 
-def _gpus_of(session: dict[str, Any]) -> int:
-    """The report's GPU count (checked by the loader: an int in [0, MAX_GPUS], or absent)."""
-    gpus = session.get("gpus")
-    return gpus if isinstance(gpus, int) and not isinstance(gpus, bool) else 0
-
-
-def _visible_gpus() -> int:
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return 0
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
-
-
-def job_variables(job: Job, reports: Path, gpus: int, host: str | None, device: str | None) -> dict[str, str]:
-    """The variables the run sets: the job's, with the requested limits and the GPUs it has."""
-    variables = job.environment(reports)
-    if host is not None:
-        variables[HOST_MEMORY_ENV] = host
-    if device is not None:
-        variables[DEVICE_MEMORY_ENV] = device
-    if gpus > 0 and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-        variables["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
-    return variables
-
-
-def environment(variables: dict[str, str]) -> dict[str, str]:
-    """Ours, overridden by `variables`, less what would make the run differ from a fresh CI shell."""
-    env = {**os.environ, **variables}
-    env.pop("KIT_SEED", None)  # seeds come from the node ids, as in CI
-    for key in [k for k in env if k == "PYTEST_CURRENT_TEST" or k.startswith("PYTEST_XDIST_")]:
-        del env[key]  # e.g. a repro started from inside a test session
-    return env
-
-
-def _clean(reports: Path) -> None:
-    """Drop the previous run's outputs so a run that writes none is not read as this run's."""
-    for name in ("kit-report.json", "kit-report.md", "junit.xml"):
-        (reports / name).unlink(missing_ok=True)
-    shutil.rmtree(reports / "logs", ignore_errors=True)
-    reports.mkdir(parents=True, exist_ok=True)
-
-
-def _say(text: str) -> None:
-    print(f"ci repro: {text}", flush=True)
-
-
-@dataclass
-class Plan:
-    """What a repro runs: the CI row, the pytest command and variables, and what CI saw (if known)."""
-
-    job: Job
-    gpus: int
-    host: str | None
-    device: str | None
-    host_bytes: int | None
-    reports: Path
-    root: Path
-    command: list[str]
-    variables: dict[str, str]
-    ci_failed: list[dict[str, Any]] = field(default_factory=list)
-    ci_junit: dict[tuple[str, str], str] = field(default_factory=dict)
-    source: str | None = None
-    stale: list[str] = field(default_factory=list)
-    refused: list[tuple[str, str]] = field(default_factory=list)
-
-
-def _choose_job(name: str | None, ci_job: str | None, tier: str | None, gpus: int | None) -> Job:
-    """`--job NAME`, else the report's row, else the tier's CPU or GPU row on the newest megatron-core."""
-    if name is not None:
-        if name not in JOBS:
-            raise UsageError(f"--job: unknown job {name!r}: expected one of {', '.join(JOBS)}")
-        job = JOBS[name]
-        if job.suite != "tests":
-            raise UsageError(f"--job {name} runs the benchmarks, not tests: python -m ci bench")
-        if tier is not None and tier != job.tier:
-            raise UsageError(f"--job {name} runs tier {job.tier}, not {tier}")
-        return job
-    if ci_job is not None and (tier is None or JOBS[ci_job].tier == tier):
-        return JOBS[ci_job]
-    return job_for(tier or "L0", gpus or 0)
-
-
-def collected_ids(root: Path, nodeids: list[str], variables: dict[str, str]) -> set[str] | None:
-    """Which of `nodeids` exist in `root` now: collects their files (not the ids: one stale id
-    makes pytest reject the whole command line). None when collection itself failed.
-
-    Only for ids `ci.nodeids.check` accepted (test files of the project), given after ``--``."""
-    files = sorted({nodeid.split("::", 1)[0] for nodeid in nodeids})
-    present = [f for f in files if (root / f).is_file()]
-    if not present:
-        return set()
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", "--", *present],
-        cwd=root,
-        env=environment(variables),
-        capture_output=True,
-        text=True,
-    )
-    if out.returncode not in (0, 5):
-        return None
-    return {line.strip() for line in out.stdout.splitlines() if "::" in line}
-
-
-def recorded_seed(session: dict[str, Any]) -> int | None:
-    """The ``--hypothesis-seed`` among a report's recorded pytest arguments (the nightly exploring row's)."""
-    args = [str(a) for a in session.get("pytest_args") or []]
-    for i, arg in enumerate(args):
-        value = arg.partition("=")[2] if arg.startswith("--hypothesis-seed=") else None
-        if arg == "--hypothesis-seed" and i + 1 < len(args):
-            value = args[i + 1]
-        if value is not None and value.lstrip("-").isdigit():
-            return int(value)
-    return None
-
-
-@dataclass
-class FromReport:
-    """What a CI report asks to rerun: its failed tests, their JUnit first lines, its session header."""
-
-    path: str
-    failed: list[dict[str, Any]]
-    junit: dict[tuple[str, str], str]
-    session: dict[str, Any]
-
-    @property
-    def tier(self) -> str | None:
-        marked = str(self.session.get("markexpr") or "").split(" ")[0]  # "L0" or "L0 and gpu"
-        return marked if marked in TIERS else None
-
-    @property
-    def ci_job(self) -> str | None:
-        """The row the CI job ran (KIT_CI_JOB, recorded by the plugin), when it is a row here."""
-        name = self.session.get("ci_job")
-        return name if name in JOBS else None
-
-
-def _read_ci_report(path: str) -> FromReport:
-    try:
-        report = load_report(path)
-    except ReportError as exc:
-        raise UsageError(str(exc)) from None
-    # The artifact holds junit.xml beside the report: first lines of in-process failures.
-    junit = junit_first_lines(Path(path).with_name("junit.xml")) if failed_tests(report) else {}
-    return FromReport(path, failed_tests(report), junit, report["session"])
-
-
-def _check_arguments(args: argparse.Namespace) -> Path:
-    """The project root, once the arguments that need no report are known to be usable."""
-    if args.tier is not None and args.tier not in TIERS:
-        raise UsageError(f"unknown tier {args.tier!r}: expected one of {', '.join(TIERS)}")
-    if args.gpus is not None and not 0 <= args.gpus <= MAX_GPUS:
-        raise UsageError(f"--gpus must be 0 to {MAX_GPUS}, got {args.gpus}")
-    _size(args.host_memory, "--host-memory")
-    _size(args.device_memory, "--device-memory")
-    root = Path(args.root).resolve()
-    if not root.is_dir():
-        raise UsageError(f"--root {args.root} is not a directory")
-    return root
-
-
-def _select(p: Plan, dry_run: bool) -> list[str]:
-    """The report's failed ids that may run: checked (refused and stale ones noted on the plan)."""
-    checked = check_nodeids(p.root, [test["nodeid"] for test in p.ci_failed], use_git=not dry_run)
-    p.refused, p.stale = checked.refused, checked.stale
-    if checked.accepted and not dry_run:
-        # A parametrized id whose parameter is gone is found only by collecting its (checked) file.
-        present = collected_ids(p.root, checked.accepted, p.variables)
-        if present is not None:
-            p.stale += [nodeid for nodeid in checked.accepted if nodeid not in present]
-            return [nodeid for nodeid in checked.accepted if nodeid in present]
-    return checked.accepted
-
-
-def plan(args: argparse.Namespace) -> Plan | None:
-    """The run the arguments ask for; None when a report has no failures (nothing to rerun)."""
-    root = _check_arguments(args)
-    tier, gpus = args.tier, args.gpus
-    seed: int | None = args.hypothesis_seed
-    ci = _read_ci_report(args.from_report) if args.from_report else None
-    if ci is not None:
-        if not ci.failed:
-            return None
-        tier = tier or ci.tier
-        gpus = _gpus_of(ci.session) if gpus is None else gpus
-        seed = recorded_seed(ci.session) if seed is None else seed
-    job = _choose_job(args.job, ci.ci_job if ci else None, tier, gpus)
-    gpus = job.gpus if gpus is None else gpus
-    reports = Path(args.reports).resolve() if args.reports else root / "reports" / "repro"
-    host = args.host_memory or job.host_memory
-    device = args.device_memory or job.device_memory
-    command = [sys.executable, "-m", "pytest", *pytest_args(job, reports)]
-    if args.keyword:
-        command += ["-k", args.keyword]
-    if seed is not None:
-        # An exploring row's failure: the same seed draws the same examples (run after run).
-        command.append(f"--hypothesis-seed={seed}")
-    p = Plan(
-        job=job,
-        gpus=gpus,
-        host=host,
-        device=device,
-        host_bytes=_size(host, "host memory"),
-        reports=reports,
-        root=root,
-        command=command + args.pytest_args,
-        variables=job_variables(job, reports, gpus, host, device),
-        ci_failed=ci.failed if ci else [],
-        ci_junit=ci.junit if ci else {},
-        source=f"{len(ci.failed)} failed test(s) from {ci.path}" if ci else None,
-    )
-    if ci is not None:
-        # A test renamed or removed since the CI run is reported and skipped; the others rerun.
-        selected = _select(p, args.dry_run)
-        p.command += ["--", *selected] if selected else []
-    return p
-
-
-def run_limited(p: Plan, limit: MemoryLimit) -> tuple[int, list[Kill]]:
-    """pytest outside the limit, its ranks inside it (moved there as they start); exit code, kills."""
-    env = environment(p.variables)
-    if limit.cgroup is not None:
-        # For a launcher that joins the group itself at rank start (no adoption window) and reads
-        # its counters for the verdict; the watcher below does both meanwhile.
-        env[RANK_CGROUP_ENV] = str(limit.cgroup)
-    proc = start_child(p.command, cwd=p.root, env=env)
-    watcher = limit.watch(proc.pid) if limit.limit_bytes is not None else None
-    returncode = wait_forwarding(proc)  # a SIGTERM/SIGINT to repro stops pytest, which reports
-    kills = watcher.stop() if watcher is not None else []
-    for error in watcher.errors if watcher is not None else []:
-        _say(f"warning: {error}")
-    return returncode, kills
-
-
-def with_kills(v: Verdict, kills: list[Kill]) -> Verdict:
-    """The verdict once the runner's limit is accounted for: a rank it killed is the root cause, `oom`."""
-    kill = next((k for k in kills if k.nodeid == v.nodeid), None)
-    if kill is None or v.outcome not in ("failed", "error"):
-        return v
-    return replace(v, rank=kill.rank, kind="oom", first_line=kill.reason)
-
-
-def _note_in_markdown(md: Path, returncode: int, limit: MemoryLimit, kills: list[Kill], usage: str) -> None:
-    """Make the printed report path exist and say what the runner's limit did."""
-    lines = []
-    if not md.exists():
-        lines += [
-            "## Kit report",
-            "",
-            f"pytest exited with {returncode} and wrote no report: see its output and the rank logs.",
-            "",
-        ]
-    if limit.limit_bytes is not None:
-        lines += [f"### Runner memory limit ({limit.method})", "", f"- {limit.describe()}", f"- {usage}"]
-        lines += [f"- `{k.nodeid}`: rank {k.rank} oom: {k.reason}" for k in kills]
-        if limit.leftovers:
-            lines.append(f"- {limit.leftovers} process(es) outlived the run in the group and were killed")
-    if lines:
-        md.parent.mkdir(parents=True, exist_ok=True)
-        with open(md, "a") as f:
-            f.write("\n" + "\n".join(lines) + "\n")
-
-
-def execute(p: Plan, limit_method: str) -> int:
-    """Run the plan with the runner's memory limit on its ranks, then print the verdicts; pytest's exit code."""
-    try:
-        limit = apply_memory_limit(p.host_bytes, limit_method)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise UsageError(f"--limit-method {limit_method}: {exc}") from None
-    _say(f"runner memory limit: {limit.describe()}")
-    _say(printable(shlex.join(p.command)))
-    _clean(p.reports)
-    kills: list[Kill] = []
-    try:
-        returncode, kills = run_limited(p, limit)
-    finally:
-        peak, oom_count = limit.peak_bytes(), limit.oom_kills()
-        limit.close()
-
-    print(flush=True)
-    _say("=" * 30 + " verdicts " + "=" * 30)
-    report_path = p.reports / "kit-report.json"
-    try:
-        local = load_report(report_path)
-    except ReportError as exc:
-        _say(f"pytest exited with {returncode} and left no usable report ({exc})")
-        local = None
-    if local is not None:
-        junit = junit_first_lines(p.reports / "junit.xml")
-        here = {
-            nodeid: with_kills(verdict(test, junit), kills) for nodeid, test in tests_by_id(local).items()
-        }
-        if p.ci_failed:
-            ci = [verdict(test, p.ci_junit) for test in p.ci_failed]
-            print(format_comparison(ci, here, p.stale, refused=dict(p.refused)), flush=True)
-        else:
-            failed = [here[test["nodeid"]] for test in failed_tests(local)]
-            print(format_verdicts(failed) if failed else f"no failures ({_counts(local)})", flush=True)
-    elif kills:
-        for kill in kills:
-            _say(f"FAILED {printable(kill.nodeid)}: rank {kill.rank} oom: {printable(kill.reason)}")
-    usage = ""
-    if limit.limit_bytes is not None:
-        if limit.method == "env":
-            usage = f"limit {format_size(limit.limit_bytes)} on the ranks' summed RSS, ranks killed over it {len(kills)}"
-        else:
-            measured = f"peak {format_size(peak)}" if peak is not None else "peak not measured"
-            killed = f", kernel OOM kills {oom_count}" if oom_count is not None else ""
-            usage = f"{measured} of {format_size(limit.limit_bytes)}{killed}"
-        usage = f"runner memory ({limit.method}, on the ranks): {usage}"
-        _say(usage)
-        if limit.leftovers:
-            _say(f"{limit.leftovers} process(es) outlived the run in the limit's group and were killed")
-    md = p.reports / "kit-report.md"
-    _note_in_markdown(md, returncode, limit, kills, usage)
-    _say(f"report {md}, rank logs {p.reports / 'logs'}")
-    if local is not None and failed_tests(local):
-        _say(f"again: {PROG} --from-report {report_path}")
-    if returncode == 5:
-        _say("pytest collected no tests: that is a failure here, as in CI")
-        return 1
-    return returncode if returncode >= 0 else 128 - returncode
-
-
-def run(argv: list[str]) -> int:
-    """Parse, plan, say what will run, run it (unless --dry-run); the exit code of the run."""
-    args = build_parser().parse_args(argv)
-    p = plan(args)
-    if p is None:
-        _say(f"no failed tests in {printable(args.from_report)}: nothing to rerun")
-        return 0
-    job = p.job
-    if not _say_what_is_left_out(p):
-        return 1
-    _say(
-        f"job {job.name} (tier {job.tier}, runs-on {', '.join(job.runs_on)}){': ' + p.source if p.source else ''}"
-    )
-    _say(
-        f"runner memory {p.host or '-'}; per-GPU memory {p.device or '-'}; GPUs {p.gpus} (visible here: {'not checked (--dry-run)' if args.dry_run else _visible_gpus()})"
-    )
-    installed = _installed_megatron_core()
-    if installed != job.megatron_core:
-        _say(
-            f"note: row {job.name} runs megatron-core {job.megatron_core}, this Python has {installed or 'none'}; "
-            f"for that release: KIT_MEGATRON_CORE={job.megatron_core} KIT_VENV=.venv-{job.megatron_core} "
-            f"bash ci/setup.sh, then .venv-{job.megatron_core}/bin/python -m ci repro ..."
-        )
-    if args.dry_run:
-        _say("env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.variables.items())))
-        _say(printable(shlex.join(p.command)))
-        return 0
-    return execute(p, args.limit_method)
-
-
-def _say_what_is_left_out(p: Plan) -> bool:
-    """Name the report's ids that are refused or stale; whether any of its failed tests is left to run."""
-    if p.refused:
-        _say(
-            f"{len(p.refused)} id(s) of the report refused, not run (not a test of this project): "
-            + "; ".join(f"{printable(nodeid, 200)} ({why})" for nodeid, why in p.refused)
-        )
-    if p.stale:
-        _say(
-            f"{len(p.stale)} failed test(s) of the report do not exist here (renamed or removed since "
-            f"the CI run?), skipped: {', '.join(printable(nodeid, 200) for nodeid in p.stale)}"
-        )
-    if p.ci_failed and len(p.stale) + len(p.refused) == len(p.ci_failed):
-        what = "exists" if not p.refused else "can run"
-        _say(f"none of the report's failed tests {what} here: nothing to rerun")
-        return False
-    return True
-
-
-def _installed_megatron_core() -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version("megatron-core")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _counts(report: dict[str, Any]) -> str:
-    counts: dict[str, int] = {}
-    for test in tests_by_id(report).values():
-        counts[test["outcome"]] = counts.get(test["outcome"], 0) + 1
-    return ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no tests"
+PROJECT = kit_repro.Project(prog=PROG, name="ci repro", rows=rows, default_root=ROOT)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m ci repro`; usage errors are one line on stderr and exit code 2."""
-    try:
-        return run(list(sys.argv[1:] if argv is None else argv))
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    """`python -m ci repro ...`: the kit's repro with this repository's rows."""
+    return kit_repro.main(argv, PROJECT)

@@ -4,7 +4,7 @@ Layout, next to the tests: ``<test dir>/golden/<test module>/<test name>.<platfo
 the platform is ``cpu-gloo`` or ``<gpu model>-nccl`` (``h100-nccl``), and a file for one
 megatron-core minor adds it (``cpu-gloo.mcore0.16``) where that release's values differ; the
 lookup takes the release's file first, then the platform's. Pure functions over paths and JSON:
-the plugin (`megatron_testkit.golden_plugin`) and ``python -m ci golden`` both use them.
+the plugin (`megatron_testkit.golden_plugin`) and ``python -m megatron_testkit golden`` both use them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ from typing import Any
 from accounting.json_input import JsonInputError, load_json, printable
 from megatron_testkit.metrics import Comparison, MetricError, MetricSeries, Number, TestMetrics
 from megatron_testkit.safe_write import Folder
+
+# The command that writes a report's golden files (`megatron_testkit.golden_tool`), run in the
+# project root the report's test ids are relative to: it exists wherever the kit is installed.
+UPDATE_COMMAND = "python -m megatron_testkit golden update"
 
 GOLDEN_DIR = "golden"
 _COLUMNS = ("metric", "step", "golden", "got", "allowed")
@@ -278,8 +282,22 @@ def format_table(rows: list[tuple[str, ...]], columns: tuple[str, ...] = _COLUMN
     )
 
 
-def mismatch_message(nodeid: str, path: Path, rows: list[Mismatch], note: str = "") -> str:
-    """The failure text: what differs, the table, and how to refresh after an intended change."""
+def refresh_command(report_dir: str | None) -> str:
+    """The command that refreshes golden files from this session's report, as a person types it in
+    the directory pytest ran from: with ``--kit-report DIR``, ``... update DIR/kit-report.json``;
+    without one, the run that makes the report first."""
+    if report_dir:
+        import shlex
+
+        return f"{UPDATE_COMMAND} {shlex.quote(os.path.join(report_dir, 'kit-report.json'))}"
+    return f"rerun pytest with --kit-report=reports, then {UPDATE_COMMAND} reports/kit-report.json"
+
+
+def mismatch_message(
+    nodeid: str, path: Path, rows: list[Mismatch], note: str = "", report_dir: str | None = None
+) -> str:
+    """The failure text: what differs, the table, and how to refresh after an intended change
+    (`refresh_command` of the session's ``--kit-report`` folder)."""
     head = f"golden values: {len(rows)} value(s) of {nodeid} differ from {path}"
-    tail = "an intended change? refresh with: python -m ci golden update <kit-report.json>"
+    tail = f"an intended change? refresh with: {refresh_command(report_dir)}"
     return "\n".join([head, format_table([r.cells() for r in rows]), *([note] if note else []), tail])

@@ -4,8 +4,8 @@ A CI run (``CI=true``) fails each test that records metrics and has no golden fi
 platform, so the first run on a new platform (the first GPU job) fails every such test by
 design. Its kit report holds what each of them recorded: the files can be made from that report.
 `missing_golden_markdown` lists them for a job summary with the command to run, which ships with
-the kit (it exists in any project that installed it). Called by this repository's CI job summary
-(``ci/jobs.py``).
+the kit (it exists in any project that installed it). Part of the job summary
+(`megatron_testkit.summary`, which the composite action writes).
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from pathlib import Path
 
 from megatron_testkit import golden
 
-# The command that writes a report's golden files (`megatron_testkit.golden_tool`), run in the
-# project root the report's test ids are relative to.
-UPDATE_COMMAND = "python -m megatron_testkit.golden_tool update"
+UPDATE_COMMAND = golden.UPDATE_COMMAND  # `python -m megatron_testkit golden update`
 REPORT_NAME = "kit-report.json"
 
 

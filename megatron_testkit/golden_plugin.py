@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from megatron_testkit import attribution, golden, metrics
-from megatron_testkit.golden_candidates import UPDATE_COMMAND
 from megatron_testkit.metrics import MetricsRecorder, TestMetrics
 from megatron_testkit.safe_write import WriteRefused
 
@@ -80,7 +79,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if refused is not None:
         pytest.fail(f"kit metrics: {refused}", pytrace=False)
     if recorder is not None and recorder.series:
-        check(item.nodeid, item.path, item.stash[_METRICS])
+        check(item.nodeid, item.path, item.stash[_METRICS], item.config.getoption("--kit-report", None))
     return result
 
 
@@ -106,8 +105,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-def check(nodeid: str, test_file: str | os.PathLike, found: TestMetrics) -> None:
+def check(
+    nodeid: str, test_file: str | os.PathLike, found: TestMetrics, report_dir: str | None = None
+) -> None:
     """Compare ``found`` with the test's golden file; raises `GoldenMismatch`, or writes a candidate.
+    `report_dir` (``--kit-report``) is where the refresh command finds this run's report.
 
     A platform key that is not one (``KIT_GOLDEN_PLATFORM=../x``), a malformed golden file or a
     candidate path the writer refuses (a link) fails the test in one line naming it."""
@@ -118,14 +120,16 @@ def check(nodeid: str, test_file: str | os.PathLike, found: TestMetrics) -> None
         paths = golden.golden_paths(Path(test_file), name, found.platform, found.megatron_core)
         path = golden.find_golden(paths)
         if path is None:
-            _missing(nodeid, paths[-1], found)
+            _missing(nodeid, paths[-1], found, report_dir)
             return
         want = golden.read_golden(path)
     except (golden.GoldenFileError, WriteRefused) as exc:
         pytest.fail(f"golden values: {exc}", pytrace=False)
     rows = golden.compare(want, found, platform=found.platform)
     if rows:
-        raise GoldenMismatch(golden.mismatch_message(nodeid, path, rows, _release_note(want, found)))
+        raise GoldenMismatch(
+            golden.mismatch_message(nodeid, path, rows, _release_note(want, found), report_dir)
+        )
 
 
 def _release_note(want: TestMetrics, found: TestMetrics) -> str:
@@ -139,18 +143,18 @@ def _release_note(want: TestMetrics, found: TestMetrics) -> str:
     )
 
 
-def _missing(nodeid: str, path: Path, found: TestMetrics) -> None:
+def _missing(nodeid: str, path: Path, found: TestMetrics, report_dir: str | None = None) -> None:
     if os.environ.get("CI", "").lower() == "true":
         raise GoldenMismatch(
             f"golden values: no golden file for {nodeid} on platform {found.platform}: expected {path}; "
-            f"make it from a passing run's report: {UPDATE_COMMAND} <kit-report.json>"
+            f"make it from this run's report: {golden.refresh_command(report_dir)}"
         )
     candidate = golden.candidate_path(path)
     golden.write_golden(candidate, golden.golden_json(nodeid, found, _version("torch")))
     warnings.warn(
         GoldenCandidateWarning(
             f"no golden file for platform {found.platform}; wrote a candidate to {candidate} "
-            f"(review it and rename it to {path.name}, or run {UPDATE_COMMAND} <kit-report.json>)"
+            f"(review it and rename it to {path.name}, or run {golden.refresh_command(report_dir)})"
         ),
         stacklevel=1,
     )

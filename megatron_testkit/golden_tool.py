@@ -4,8 +4,8 @@
 on its golden values), write its golden file for the report's platform and print what changed.
 A release-specific file (``.mcore0.16``) is written only where that release's values leave the
 platform's file. ``diff A B``: every value that differs between two reports, with its relative
-change and whether B's comparison accepts it. Shipped with the kit (``python -m
-megatron_testkit.golden_tool``); this repository calls it as ``python -m ci golden``.
+change and whether B's comparison accepts it. Shipped with the kit: ``python -m
+megatron_testkit golden update|diff`` (this repository's ``python -m ci golden`` is the same).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m megatron_testkit.golden_tool") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m megatron_testkit golden") -> int:
     """``update REPORT`` or ``diff A B``; a usage error is one line on stderr and exit status 2."""
     parser = _Parser(prog=prog, description=__doc__.splitlines()[0])
     add_arguments(parser)

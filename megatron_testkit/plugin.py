@@ -87,6 +87,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="ranks",
     )
     parser.addini(
+        "kit_skip_summary",
+        "group skips by their declared capability in the terminal summary and the report, as under "
+        "KIT_ALLOWED_SKIPS (megatron_testkit.skips); off by default, so a project's plain skips print nothing",
+        type="bool",
+        default=False,
+    )
+    parser.addini(
         "kit_require_tier",
         "make a test without exactly one tier marker (L0, L1, L2) a collection error",
         type="bool",
@@ -198,7 +205,28 @@ class _KitSession:
             pytest_rss_end_bytes=_rss(),
             allowed_skips=_allowed_list(self.config.stash.get(_ALLOWED_SKIPS, None)),
             exit_status=exit_status,
+            **repro_settings(self.config),
         ).to_json()
+
+
+def repro_settings(config: pytest.Config) -> dict[str, Any]:
+    """What a repro of this session restores: its recorded settings, hypothesis's seed, the
+    runner's memory limit (and where it came from), whether the skip summary was asked for."""
+    from megatron_testkit.repro_settings import hypothesis_seed, recorded_settings, runner_memory
+
+    limit, source = runner_memory()
+    return {
+        "settings": recorded_settings(),
+        "hypothesis_seed": hypothesis_seed(config),
+        "runner_memory_bytes": limit,
+        "runner_memory_source": source,
+        "skip_summary": _skip_summary(config),
+    }
+
+
+def _skip_summary(config: pytest.Config) -> bool:
+    """The skip policy's summary: under KIT_ALLOWED_SKIPS, or with the ini option ``kit_skip_summary``."""
+    return config.stash.get(_ALLOWED_SKIPS, None) is not None or bool(config.getini("kit_skip_summary"))
 
 
 def _allowed_list(allowed: frozenset[str] | None) -> list[str] | None:
@@ -254,7 +282,8 @@ def _register_skip_policy(config: pytest.Config) -> None:
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[_ALLOWED_SKIPS] = allowed
-    config.pluginmanager.register(skips.SkipPolicy(allowed), "kit-skip-policy")
+    summary = allowed is not None or bool(config.getini("kit_skip_summary"))
+    config.pluginmanager.register(skips.SkipPolicy(allowed, summary=summary), "kit-skip-policy")
 
 
 def _check_kit_environment() -> None:

@@ -4,7 +4,7 @@
 rows; `build_report` adds the session header; the `format_*`/`write_report` functions render it.
 Nothing here imports pytest or torch, so it is cheap and unit-testable with plain objects.
 
-The JSON field names are a contract (``python -m ci repro --from-report`` reads them), defined
+The JSON field names are a contract (``python -m megatron_testkit repro --from-report`` reads them), defined
 once, typed and versioned, in `megatron_testkit.schema`; the renderers read that JSON.
 """
 
@@ -20,7 +20,16 @@ from typing import Any
 
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.metrics import TestMetrics
-from megatron_testkit.schema import OUTCOMES, REPORT_VERSION, Failure, RankPeak, Report, Run, TestEntry
+from megatron_testkit.schema import (
+    OUTCOMES,
+    REPORT_VERSION,
+    Failure,
+    Launch,
+    RankPeak,
+    Report,
+    Run,
+    TestEntry,
+)
 
 
 @dataclass
@@ -73,7 +82,7 @@ class TestRow:
             pytest_rss_after_bytes=self.pytest_rss_after_bytes,
             leaked_processes=self.leaked_processes + sum(run.leaked_processes for run in self.runs),
             log_dir=log_dirs[0] if log_dirs else None,
-            launches=len(self.runs),
+            launches=launch_records(self.runs, self.failure),
             worker=self.worker,
             skip_capability=self.skip_capability,
             metrics=TestMetrics.from_json(self.metrics) if self.metrics else None,
@@ -82,6 +91,40 @@ class TestRow:
     def to_json(self) -> dict[str, Any]:
         """The row as the report's JSON."""
         return self.entry().to_json()
+
+
+def launch_records(runs: list[Run], failure: Failure | None) -> list[Launch]:
+    """Each launch with its verdict; a failed one is ``caught`` unless it is the test's own failure.
+
+    The test's failure is the last launch whose root cause it names (a test that retried a launch
+    and failed on the last try caught the earlier tries).
+    """
+    launches = [Launch.from_run(run) for run in runs]
+    own = None
+    if failure is not None and failure.kind is not None:
+        own = next(
+            (
+                i
+                for i in reversed(range(len(launches)))
+                if (launches[i].rank, launches[i].kind, launches[i].first_line)
+                == (failure.rank, failure.kind, failure.first_line)
+            ),
+            None,
+        )
+    for i, launch in enumerate(launches):
+        launch.caught = launch.failed and i != own
+    return launches
+
+
+def caught_note(row: dict[str, Any]) -> str:
+    """``"1 launch failed: rank 1 oom, caught"`` for the launches a test caught ("" when none)."""
+    caught = [
+        launch for launch in row.get("launches") or [] if isinstance(launch, dict) and launch.get("caught")
+    ]
+    if not caught:
+        return ""
+    causes = ", ".join(Launch.from_json(launch).cause() for launch in caught)
+    return f"{len(caught)} launch{'es' if len(caught) > 1 else ''} failed: {causes}, caught"
 
 
 def _max(a: int | None, b: int | None) -> int | None:
@@ -218,10 +261,15 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
         budget = MemoryBudget(row["budget_host_bytes"], row["budget_device_bytes"]).describe()
         outcome = row["outcome"]
         failure = row["failure"] or {}
+        notes = []
         if failure.get("kind"):
             # A rank's verdict names the rank; a golden mismatch is the test's, not a rank's.
             rank = failure.get("rank")
-            outcome += f" ({'' if rank is None else f'rank {rank} '}{failure['kind']})"
+            notes.append(f"{'' if rank is None else f'rank {rank} '}{failure['kind']}")
+        if caught_note(row):  # a launch the test caught keeps its verdict in the table
+            notes.append(caught_note(row))
+        if notes:
+            outcome += f" ({'; '.join(notes)})"
         out.append(
             (
                 row["nodeid"],
@@ -250,6 +298,17 @@ def skip_counts(report: dict[str, Any]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
+def skip_summary_asked(session: dict[str, Any]) -> bool:
+    """Whether the session asked for the skip policy's summary (KIT_ALLOWED_SKIPS, ``kit_skip_summary``).
+
+    A project that did not opt in sees nothing of it; a report older than the field (version 1/2)
+    told it always, and still does.
+    """
+    if "skip_summary" not in session:
+        return True
+    return bool(session.get("skip_summary")) or session.get("allowed_skips") is not None
+
+
 def _footer(report: dict[str, Any], written: bool = True) -> list[str]:
     counts = report["session"]["outcome_counts"]
     shown = len(table_rows(report))
@@ -260,7 +319,7 @@ def _footer(report: dict[str, Any], written: bool = True) -> list[str]:
         f"{rest} tests ran no ranks ({where})" if rest else "",
         rss_growth_line(report),
     ]
-    skipped = skip_counts(report)
+    skipped = skip_counts(report) if skip_summary_asked(report["session"]) else {}
     if skipped:
         lines.append("skips by capability: " + ", ".join(f"{name} {n}" for name, n in skipped.items()))
     leaked = sum(row["leaked_processes"] for row in report["tests"])

@@ -1,9 +1,10 @@
 """The session report's schema, typed and versioned: the one definition its writers and readers share.
 
 Written by the launcher (`Run`, one per `run_ranks` launch), folded by the plugin into one
-`TestEntry` per test and one `Report` per session (``kit-report.json``); read back by
-``ci/verdicts.py`` and ``python -m ci repro``. The JSON field names are a contract: they are the
-dataclass field names below and do not change without a new `REPORT_VERSION`.
+`TestEntry` per test (each launch kept as a `Launch` with its verdict) and one `Report` per session
+(``kit-report.json``); read back by `megatron_testkit.verdicts` and ``python -m megatron_testkit
+repro``. The JSON field names are a contract: they are the dataclass field names below and do not
+change without a new `REPORT_VERSION`; reports of every older version still read.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ from megatron_testkit.metrics import TestMetrics
 # 2: TestEntry.metrics (recorded series). Optional additions that older readers parse unchanged
 # (absent reads as None) keep the version: the ``interrupted`` outcome, the session's
 # ``exit_status``, a rank's ``peak_process``, a launch's ``device`` and ``platform``.
-REPORT_VERSION = 2
-READ_VERSIONS = (1, 2)  # a version-1 report reads as one without metrics
+# 3: TestEntry.launches is a list of `Launch` records (each launch's verdict, caught or not; it was
+# a count); the session records what a repro needs: ``settings`` (the KIT_* and hypothesis
+# variables), ``hypothesis_seed``, ``runner_memory_bytes``/``runner_memory_source``, and
+# ``skip_summary``.
+REPORT_VERSION = 3
+# A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
+# (they kept only a count, no launch's verdict) and without the version-3 session fields.
+READ_VERSIONS = (1, 2, 3)
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
 OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
@@ -55,7 +62,7 @@ class SchemaError(ValueError):
 
 
 class ReportError(JsonInputError):
-    """A report that is missing, too large, not JSON, or not a well-formed kit report (version 1 or 2)."""
+    """A report that is missing, too large, not JSON, or not a well-formed kit report (versions 1 to 3)."""
 
 
 def read_report(path: str | os.PathLike[str]) -> Report:
@@ -156,6 +163,77 @@ class Run:
 
 
 @dataclass
+class Launch:
+    """One launch of a test, with its verdict: kept whether the test caught its `RankFailure` or not.
+
+    ``rank``/``kind``/``first_line`` are the root cause (None, None, "" for a launch that passed);
+    the peaks are the largest of its ranks'; ``caught``: it failed and the test went on past it
+    (the test's own outcome is not this launch's failure).
+    """
+
+    world_size: int
+    backend: str
+    seed: int
+    duration_s: float = 0.0
+    rank: int | None = None
+    kind: str | None = None
+    first_line: str = ""
+    peak_host_bytes: int | None = None
+    peak_device_bytes: int | None = None
+    caught: bool = False
+
+    @property
+    def failed(self) -> bool:
+        """Whether the launch failed (a rank named, or a kind)."""
+        return self.kind is not None or self.rank is not None
+
+    def cause(self) -> str:
+        """``"rank 1 oom"`` (or ``"oom"`` without a rank); ``"passed"`` for a launch that passed."""
+        if not self.failed:
+            return "passed"
+        kind = self.kind or "error"
+        return f"rank {self.rank} {kind}" if self.rank is not None else kind
+
+    @classmethod
+    def from_run(cls, run: Run) -> Launch:
+        """The launch record of one `Run` (not yet marked caught)."""
+        failure = run.failure
+        return cls(
+            world_size=run.world_size,
+            backend=run.backend,
+            seed=run.seed,
+            duration_s=round(float(run.duration_s or 0.0), 3),
+            rank=failure.rank if failure else None,
+            kind=failure.kind if failure else None,
+            first_line=failure.first_line if failure else "",
+            peak_host_bytes=_max_of([r.peak_host_bytes for r in run.ranks]),
+            peak_device_bytes=_max_of([r.peak_device_bytes for r in run.ranks]),
+        )
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "launch") -> Launch:
+        """Parse a ``launches[]`` entry (checked beforehand by `check_report` when read from a file)."""
+        if not isinstance(data, dict):
+            raise SchemaError(f"{where} is not an object")
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        for name in ("rank", "peak_host_bytes", "peak_device_bytes"):
+            if name in values and not _is_int(values[name]):
+                values[name] = None
+        values["kind"] = str(values["kind"]) if values.get("kind") else None
+        values["first_line"] = str(values.get("first_line") or "")
+        values["caught"] = values.get("caught") is True
+        values.setdefault("world_size", 0)
+        values.setdefault("backend", "")
+        values.setdefault("seed", 0)
+        return cls(**values)
+
+
+def _max_of(values: list[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+@dataclass
 class TestEntry:
     """One test's row in the report: its outcome, launches folded into per-rank maxima, budgets."""
 
@@ -177,7 +255,7 @@ class TestEntry:
     pytest_rss_after_bytes: int | None = None
     leaked_processes: int = 0
     log_dir: str | None = None
-    launches: int = 0
+    launches: list[Launch] = field(default_factory=list)  # every launch and its verdict, in order
     worker: str | None = None
     skip_capability: str | None = None  # what a skipped test declared it needs (megatron_testkit.skips)
     metrics: TestMetrics | None = None  # recorded metric series and their platform (golden values)
@@ -222,7 +300,21 @@ class TestEntry:
             if isinstance(data.get("failure"), dict)
             else None
         )
+        launches = data.get("launches")
+        values["launches"] = [
+            Launch.from_json(item, f"{where}.launches[{i}]")
+            for i, item in enumerate(launches if isinstance(launches, list) else [])
+            if isinstance(item, dict)
+        ]  # a version-1/2 count reads as no launch records
         return cls(**values)
+
+
+@dataclass
+class Setting:
+    """One environment variable of the session that a repro restores (``KIT_*``, hypothesis's)."""
+
+    name: str
+    value: str
 
 
 @dataclass
@@ -271,6 +363,14 @@ class Session:
     # first, each with the range of its rows); None for a report of one session.
     sessions: list[SessionRef] | None = None
     dropped_sessions: int | None = None  # the oldest sessions a merge dropped past MAX_TESTS rows
+    # What a repro restores (version 3): the KIT_* and hypothesis variables set, hypothesis's seed,
+    # the runner's memory limit (KIT_HOST_MEMORY, else the memory cgroup's limit, and which), and
+    # whether the skip policy's summary was asked for (KIT_ALLOWED_SKIPS or kit_skip_summary).
+    settings: list[Setting] | None = None
+    hypothesis_seed: int | None = None
+    runner_memory_bytes: int | None = None
+    runner_memory_source: str | None = None
+    skip_summary: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -298,6 +398,21 @@ class Session:
         values["allowed_skips"] = [str(a) for a in allowed] if isinstance(allowed, list) else None
         merged = values["sessions"]
         values["sessions"] = [r for r in merged if isinstance(r, dict)] if isinstance(merged, list) else None
+        settings = values["settings"]
+        values["settings"] = (
+            [
+                Setting(str(s["name"]), str(s["value"]))
+                for s in settings
+                if isinstance(s, dict) and "name" in s
+            ]
+            if isinstance(settings, list)
+            else None
+        )
+        for name in ("hypothesis_seed", "runner_memory_bytes"):
+            values[name] = values[name] if _is_int(values[name]) else None
+        source = values["runner_memory_source"]
+        values["runner_memory_source"] = source if isinstance(source, str) else None
+        values["skip_summary"] = values["skip_summary"] if isinstance(values["skip_summary"], bool) else None
         return cls(**values)
 
 
@@ -352,14 +467,18 @@ _INT_RANGES = {
     "rank": (0, MAX_WORLD_SIZE - 1),
     "gpus": (0, MAX_GPUS),
     "cpu_count": (0, MAX_COUNT),
-    "launches": (0, MAX_COUNT),
+    "launch_count": (0, MAX_COUNT),  # a version-1/2 row's ``launches``
     "first_test": (0, MAX_TESTS),
     "dropped_sessions": (0, MAX_COUNT),
     "tests": (0, MAX_TESTS),
     "leaked_processes": (0, MAX_COUNT),
 }
-_TEXT_LIMITS = {"nodeid": MAX_NODEID_CHARS}
-_LIST_LIMITS = {"ranks": MAX_WORLD_SIZE, "tests": MAX_TESTS}
+# A setting's name and value: environment variables, short.
+MAX_SETTING_CHARS = 4096
+_TEXT_LIMITS = {"nodeid": MAX_NODEID_CHARS, "name": 256, "value": MAX_SETTING_CHARS}
+# Launches of one test: a test that launches in a loop is still far under this.
+MAX_LAUNCHES = 10_000
+_LIST_LIMITS = {"ranks": MAX_WORLD_SIZE, "tests": MAX_TESTS, "launches": MAX_LAUNCHES, "settings": 1024}
 
 
 def check_report(data: Any) -> Report:
@@ -373,9 +492,21 @@ def check_report(data: Any) -> Report:
     if isinstance(data, dict) and isinstance(data.get("tests"), list) and len(data["tests"]) > MAX_TESTS:
         raise SchemaError(f"tests has more than {MAX_TESTS} entries")
     Report.from_json(data)  # the structure first: version, 'tests' list, 'session' object, required keys
+    if data["version"] < 3:
+        data = {
+            **data,
+            "tests": [_launch_count_checked(t, f"tests[{i}]") for i, t in enumerate(data["tests"])],
+        }
     _check_value(data["tests"], list[TestEntry], "tests", "tests")
     session = _check_session(data.get("session", {}))
     return Report.from_json({"version": REPORT_VERSION, "session": session, "tests": data["tests"]})
+
+
+def _launch_count_checked(test: dict[str, Any], where: str) -> dict[str, Any]:
+    """A version-1/2 row: its ``launches`` count checked as an int, then left out (no records)."""
+    if test.get("launches") is not None:
+        _check_value(test["launches"], int, f"{where}.launches", "launch_count")
+    return {key: value for key, value in test.items() if key != "launches"}
 
 
 def _check_session(session: dict[str, Any]) -> dict[str, Any]:
@@ -412,7 +543,10 @@ def _check_value(value: Any, kind: Any, where: str, name: str) -> Any:
         return value
     if is_dataclass(kind):
         return _check_object(value, kind, where)
-    if kind is int:
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise SchemaError(f"{where} is not true or false")
+    elif kind is int:
         low, high = _INT_RANGES.get(name, (0 if name.endswith("_bytes") else -MAX_INT, MAX_INT))
         if not _is_int(value) or not low <= value <= high:
             raise SchemaError(f"{where} is not an integer in [{low}, {high}]")

@@ -4,8 +4,9 @@ A green job must mean the checks ran. Every skip states the capability it needs 
 vocabulary (`CAPABILITIES`); the reason reads ``needs <capability>: <why>``. A job lists what its
 machine lacks in ``KIT_ALLOWED_SKIPS=a,b`` (set per CI row in ``ci/jobs.py``); under it, a skip for
 any other capability, or a skip that names none, becomes a failure that names the test and the
-capability. Unset (a developer's machine), skips behave as pytest's, and the terminal summary and
-the kit report still group them by capability.
+capability. Unset (a developer's machine), skips behave as pytest's; the terminal summary and the
+kit report group them by capability only when asked (KIT_ALLOWED_SKIPS set, or the ini option
+``kit_skip_summary = true``): a project that did not opt in sees nothing of the policy.
 
 Tests call `skip`, `importorskip`, `skip_if` or `require_megatron` instead of pytest's own
 functions (a repository test rejects bare ``pytest.skip``/``importorskip``/``skipif`` in tests).
@@ -172,8 +173,9 @@ def verdict(capability: str | None, allowed: frozenset[str] | None) -> str | Non
 class SkipPolicy:
     """The plugin part: reads each test's skip, fails the undeclared ones, counts them by capability."""
 
-    def __init__(self, allowed: frozenset[str] | None) -> None:
+    def __init__(self, allowed: frozenset[str] | None, summary: bool = True) -> None:
         self.allowed = allowed
+        self.summary = summary  # print the table (KIT_ALLOWED_SKIPS set, or kit_skip_summary)
         self.skipped: dict[str, list[str]] = {}  # capability -> node ids (on the reporting process)
 
     @pytest.hookimpl(wrapper=True)
@@ -198,7 +200,7 @@ class SkipPolicy:
             self.skipped.setdefault(name, []).append(report.nodeid)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if not self.skipped:
+        if not self.skipped or not self.summary:
             return
         terminalreporter.write_sep("=", "skips by capability")
         for line in skip_table(self.skipped, self.allowed):

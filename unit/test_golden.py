@@ -1,5 +1,6 @@
 """Golden values: the comparison itself, the metrics' place in the report, the plugin's verdicts
-(an inner pytest session) and ``python -m ci golden update|diff`` on real report files.
+(an inner pytest session) and ``golden update|diff`` (``python -m megatron_testkit golden``, also
+``python -m ci golden``) on real report files.
 
 Expected verdicts are worked out by hand from the stated rules (exact; |got - golden| <= tol x
 |golden|; golden x (1 + headroom); golden x (1 - margin)), not by calling the rule under test.
@@ -103,7 +104,13 @@ def test_the_mismatch_message_is_a_table_with_the_five_columns() -> None:
     assert lines[0] == "golden values: 1 value(s) of f.py::t differ from g.json"
     assert lines[1].split() == ["metric", "step", "golden", "got", "allowed"]
     assert lines[3].split() == ["pretrain/loss", "2", "9.0", "9.18", "9.0", "±", "0.0001", "rel"]
-    assert "python -m ci golden update" in lines[-1]
+    # The shipped command, which exists in any project with the kit (python -m ci does not).
+    assert "python -m megatron_testkit golden update reports/kit-report.json" in lines[-1]
+    assert "--kit-report=reports" in lines[-1], "without a report folder: how to make one first"
+    with_report = golden.mismatch_message("f.py::t", Path("g.json"), rows, report_dir="out dir")
+    assert with_report.splitlines()[-1].endswith(
+        "python -m megatron_testkit golden update 'out dir/kit-report.json'"
+    )
 
 
 def test_recorder_types_and_refuses_what_would_make_a_series_ambiguous() -> None:
@@ -144,7 +151,7 @@ def test_report_carries_metrics_and_reads_a_version_1_report() -> None:
     for when, kit in (("setup", {}), ("call", {"metrics": found.to_json()}), ("teardown", {})):
         collector.add(_phase("t.py::a", when, kit))
     report = build_report({}, collector.rows_json())
-    assert report["version"] == 2
+    assert report["version"] == 3  # metrics since version 2
     assert report["tests"][0]["metrics"] == found.to_json()
     assert Report.from_json(json.loads(json.dumps(report))).tests[0].metrics == found
     old = Report.from_json({"version": 1, "session": {}, "tests": [{"nodeid": "a", "outcome": "passed"}]})

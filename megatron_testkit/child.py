@@ -1,7 +1,7 @@
 """Run one child process (pytest, or `ci/test.sh` that runs it) so that a stop request reaches it.
 
 CI runners stop a job with SIGTERM (a cancel sends SIGINT first) to the process they started:
-`python -m ci job` or `python -m ci repro`. Without forwarding, that process dies and the pytest
+``python -m megatron_testkit repro``, or this repository's ``python -m ci job``. Without forwarding, that process dies and the pytest
 it runs goes on as an orphan and writes no report. Here the parent passes SIGTERM, SIGINT, SIGHUP
 and SIGQUIT on and waits for the child to finish its own shutdown (report, junit, ranks torn
 down), then goes on with the child's exit code.
@@ -10,7 +10,7 @@ Without a terminal (CI), the child gets its own process group and a signal goes 
 group, so a shell script's pytest gets it too, and the parent waits until the group is empty.
 With a terminal on stdin, the child stays in the terminal's group (Ctrl-C, a debugger's prompt
 work as in a plain shell) and a signal sent to the parent alone is passed to the child.
-Stdlib only: `python -m ci job` runs before the kit is installed.
+Stdlib only: this repository's `python -m ci job` runs it before the kit is installed.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Under torchrun every rank is its own pytest process and writes its own report; l
 ``--kit-report=DIR/node$GROUP_RANK/rank$RANK`` (torchrun sets both variables) so that the path
 says which node and global rank a report came from. Then
 
-    python -m ci merge-reports OUT DIR [DIR ...]
+    python -m megatron_testkit merge-reports OUT DIR [DIR ...]
 
 finds every ``kit-report.json`` under the DIRs and writes ``OUT/kit-report.{json,md}``: one row per
 test, its ranks labelled with their node, its failure the root cause across all processes (a
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ci.report_input import MAX_REPORT_BYTES, ReportError, code_span, load_report, printable
 from megatron_testkit.diagnosis import RankRecord, classify
 from megatron_testkit.report import build_report, format_markdown
+from megatron_testkit.report_input import MAX_REPORT_BYTES, ReportError, code_span, load_report, printable
 from megatron_testkit.safe_write import Folder, WriteRefused
 from megatron_testkit.schema import MAX_GPUS, MAX_WORLD_SIZE
 
@@ -286,10 +286,10 @@ def write(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
     return json_path, md_path
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], prog: str = "python -m megatron_testkit") -> int:
     """``merge-reports OUT DIR [DIR ...]``: 0 when merged, 2 on bad input (message on stderr)."""
     if len(argv) < 2 or argv[0] in ("-h", "--help"):
-        print("usage: python -m ci merge-reports OUT DIR [DIR ...]", file=sys.stderr)
+        print(f"usage: {prog} merge-reports OUT DIR [DIR ...]", file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     out, dirs = Path(argv[0]), [Path(d) for d in argv[1:]]
     try:

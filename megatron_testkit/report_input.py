@@ -1,4 +1,4 @@
-"""The one way the CI tools read a kit report: bounded, parsed, checked against the schema, fail closed.
+"""The one way the kit's commands read a kit report as JSON: bounded, parsed, checked against the schema, fail closed.
 
 A report comes from a CI artifact, which a fork's pull request controls, so it is untrusted input.
 `load_report` reads it through the kit's one report reader (`megatron_testkit.schema.read_report`,
@@ -6,7 +6,7 @@ which reads through the bounded reader `accounting.json_input`: at most `MAX_REP
 regular file, strict JSON with no NaN or Infinity, bounded depth) and checks every field it keeps
 through `megatron_testkit.schema.check_report`; what it returns holds only the schema's fields.
 `printable` escapes text from a report before it reaches a terminal or a job summary.
-Stdlib only: `python -m ci job` runs `ci/charts.py` before the kit's dependencies are installed.
+Stdlib only.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The CI runner's memory limit, held by the ranks of a local run, never by the pytest process.
+"""The CI runner's memory limit, held by the ranks of a repro's run, never by the pytest process.
 
 A CI job dies when its processes exceed the runner's memory; per-rank budgets alone cannot
 reproduce that. The ranks of every `run_ranks` launch of the run share one limit; pytest stays
@@ -91,6 +91,7 @@ class MemoryLimit:
     tried: list[str] = field(default_factory=list)
     holder: subprocess.Popen | None = None  # systemd-run's placeholder process
     leftovers: int = 0
+    owner: str = "python -m megatron_testkit repro"  # who holds the limit: named in a kill's verdict
 
     def wrap(self, command: list[str]) -> list[str]:
         """`command` run entirely inside the group (for a single process; `repro` uses `watch`)."""
@@ -273,21 +274,30 @@ def _env(limit: int) -> MemoryLimit:
     )
 
 
+def _owned(limit: MemoryLimit, owner: str | None) -> MemoryLimit:
+    if owner is not None:
+        limit.owner = owner
+    return limit
+
+
 _STRATEGIES = {"cgroup2": _cgroup2, "cgroup1": _cgroup1, "systemd-run": _systemd_run, "env": _env}
 
 
-def apply_memory_limit(limit_bytes: int | None, method: str = "auto") -> MemoryLimit:
+def apply_memory_limit(
+    limit_bytes: int | None, method: str = "auto", owner: str | None = None
+) -> MemoryLimit:
     """The strongest available way to cap the ranks at `limit_bytes` (or exactly `method` when named).
 
     ``method="auto"`` tries cgroup v2, cgroup v1, systemd-run, then env; a named method that is
-    unavailable raises OSError saying why.
+    unavailable raises OSError saying why. `owner` is the command holding the limit, named in the
+    verdict of a rank it kills (default: the kit's repro).
     """
     if limit_bytes is None:
         return MemoryLimit("none", None, "no limit")
     if method != "auto":
         if method not in _STRATEGIES:
             raise ValueError(f"unknown limit method {method!r}: expected auto or one of {', '.join(METHODS)}")
-        return _STRATEGIES[method](limit_bytes)
+        return _owned(_STRATEGIES[method](limit_bytes), owner)
     tried = []
     for name in METHODS:
         try:
@@ -296,7 +306,7 @@ def apply_memory_limit(limit_bytes: int | None, method: str = "auto") -> MemoryL
             tried.append(f"{name}: {exc}")
             continue
         chosen.tried = tried
-        return chosen
+        return _owned(chosen, owner)
     raise AssertionError("the env method always applies")
 
 
@@ -442,7 +452,7 @@ class RankWatcher(threading.Thread):
         # `oom` as this summary does, instead of a bare SIGKILL (one kill, one verdict).
         run_dir = launch_dir_of(rank.pid)
         if run_dir is not None:
-            note_memory_kill(run_dir, rank.rank, f"killed by python -m ci repro: {reason}")
+            note_memory_kill(run_dir, rank.rank, f"killed by {self.limit.owner}: {reason}")
         with contextlib.suppress(OSError):
             os.killpg(rank.pid, signal.SIGKILL)  # the rank leads its own group: its workers go too
         with contextlib.suppress(OSError):

@@ -1,7 +1,7 @@
 """Reads a kit report (`reports/kit-report.json`) and states, per failed test, what went wrong.
 
 The report is written by the kit's plugin; its schema (field names, `REPORT_VERSION`) is defined
-once, typed, in `megatron_testkit.schema`, and read through `ci.report_input` (bounded, checked,
+once, typed, in `megatron_testkit.schema`, and read through `megatron_testkit.report_input` (bounded, checked,
 fail closed); text from a report is escaped before it is printed. A verdict is the line a developer needs first: which test, which rank, `oom | error |
 crash | hang`, the first error line, and the peak memory against the budget. Reading is strict
 about what it needs (a report that cannot be used is a `ReportError` with one line saying why) and
@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from accounting.json_input import JsonInputError, read_regular_file
+from megatron_testkit.budgets import format_size
 
 # The one loader, re-exported for the readers that import it from here.
-from ci.report_input import ReportError as ReportError
-from ci.report_input import load_report as load_report
-from ci.report_input import printable
-from megatron_testkit.budgets import format_size
+from megatron_testkit.report_input import ReportError as ReportError
+from megatron_testkit.report_input import load_report as load_report
+from megatron_testkit.report_input import printable
 from megatron_testkit.schema import TestEntry
 
 # What repro reruns: a failure, and a test the session was stopped in (CI cancel, Ctrl-C), which
@@ -65,6 +65,7 @@ class Verdict:
     budget_device: int | None
     world_size: int | None
     seed: int | None
+    at_s: float | None = None  # when it failed: the failing launch's duration, else the test's
 
     @property
     def cause(self) -> str:
@@ -139,6 +140,8 @@ def verdict(test: dict[str, Any], junit: dict[tuple[str, str], str] | None = Non
     prefix = f"rank {rank} {kind}: "
     if first_line.startswith(prefix):
         first_line = first_line[len(prefix) :]
+    own = [launch for launch in entry.launches if launch.failed and not launch.caught]
+    at_s = own[-1].duration_s if own else entry.duration_s
     return Verdict(
         nodeid=entry.nodeid,
         outcome=entry.outcome,
@@ -151,6 +154,7 @@ def verdict(test: dict[str, Any], junit: dict[tuple[str, str], str] | None = Non
         budget_device=entry.budget_device_bytes,
         world_size=_int(test.get("world_size")),
         seed=entry.seed,
+        at_s=at_s if entry.outcome in FAILED else None,
     )
 
 
@@ -170,6 +174,34 @@ def format_verdicts(verdicts: list[Verdict], width: int = 160) -> str:
         else:
             lines.append(f"    peak/budget: {v.memory()}; world size {v.world_size or '-'}, seed {v.seed}")
     return "\n".join(lines)
+
+
+def brief(v: Verdict) -> str:
+    """``"rank 1 oom at 3.2 s"`` (when it failed), ``"passed"``..."""
+    cause = printable(v.cause, 80)
+    return f"{cause} at {v.at_s:.1f} s" if v.at_s is not None and v.outcome in FAILED else cause
+
+
+def format_pairs(
+    ci: list[Verdict],
+    local: dict[str, Verdict],
+    skipped: Collection[str] = (),
+) -> tuple[str, int]:
+    """One line per test CI failed, its verdict there beside the one here:
+    ``"test_x: CI: rank 1 oom at 3.2 s / here: rank 1 oom at 3.0 s"``; and how many still fail.
+
+    A test not run here (`skipped`: stale or refused, or absent from `local`) does not count as
+    still failing: the lines above say why it did not run.
+    """
+    lines, failing = [], 0
+    for v in ci:
+        here = local.get(v.nodeid)
+        if here is None or v.nodeid in skipped:
+            lines.append(f"{printable(v.nodeid)}: CI: {brief(v)} / here: not run")
+            continue
+        failing += here.outcome in FAILED
+        lines.append(f"{printable(v.nodeid)}: CI: {brief(v)} / here: {brief(here)}")
+    return "\n".join(lines), failing
 
 
 def _launched_ranks(v: Verdict) -> bool:

@@ -5,9 +5,8 @@ memory side (host RSS, CUDA device), which GitHub renders in the job summary, an
 `reports/` through matplotlib, an optional dependency (without it, one line says the PNG was
 skipped). Bars are each test's largest per-rank peak, the line is its budget; tests that declare
 no budget on a side are left out of that side's chart and counted under it, since a line needs a
-value for every bar. Stdlib only (matplotlib is imported when asked for): `python -m ci job` runs
-it with whatever Python the workflow has. The report is read through `ci.report_input` (bounded,
-checked); text from it reaches the summary only escaped: a label keeps a small set of characters,
+value for every bar. Stdlib only (matplotlib is imported when asked for: the `charts` extra).
+The report is read through `megatron_testkit.report_input` (bounded, checked); text from it reaches the summary only escaped: a label keeps a small set of characters,
 so a node id cannot end Mermaid's string or the fenced block.
 """
 
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ci.report_input import ReportError, code_span, load_report, printable
+from megatron_testkit.report_input import ReportError, code_span, load_report, printable
 from megatron_testkit.safe_write import Folder, WriteRefused
 
 MIB = 2**20
@@ -166,21 +165,27 @@ def write_png(report_path: Path, png_path: Path) -> str:
     return f"memory chart: {png_path}"
 
 
-def main(args: list[str]) -> int:
-    """``python -m ci chart [REPORT]``: the Mermaid charts, then the PNG beside the report.
+def main(args: list[str], prog: str = "python -m megatron_testkit") -> int:
+    """``chart [REPORT]``: the Mermaid charts, then the PNG beside the report (`prog` names the
+    command line in errors).
 
     A missing or unusable report is one line on stderr and exit code 2, never a traceback.
     """
+    if args[:1] in (["-h"], ["--help"]):
+        print(f"usage: {prog} chart [REPORT]\n\n{__doc__.splitlines()[0]}")
+        return 0
     if len(args) > 1 or any(arg.startswith("-") for arg in args):
         print(
-            f"python -m ci: error: chart: expected at most one report path, got {printable(str(args))}",
+            f"{prog}: error: chart: expected at most one report path, got {printable(str(args))}",
             file=sys.stderr,
         )
         return 2
     report = Path(args[0]) if args else Path("reports/kit-report.json")
+    if report.is_dir():
+        report = report / "kit-report.json"  # the report folder (--kit-report DIR)
     loaded = _load(report) if report.is_file() else f"no report at {printable(str(report))}"
     if isinstance(loaded, str):
-        print(f"python -m ci: error: chart: {loaded}", file=sys.stderr)
+        print(f"{prog}: error: chart: {loaded}", file=sys.stderr)
         return 2
     print(memory_charts_markdown(report) or "no rank test declares a memory budget: no chart")
     print(write_png(report, report.with_name("kit-memory.png")))

@@ -1,0 +1,119 @@
+"""A CI job's summary of its kit report: the Markdown for the job summary, the annotations, the repro line.
+
+`job_summary` is what the composite action (``action.yml``) appends to ``$GITHUB_STEP_SUMMARY``:
+the report's table (``kit-report.md``), the memory chart (`megatron_testkit.charts`), the golden
+files the run's platform lacks and the command that makes them (`golden_candidates`), the NCCL
+flight-recorder dumps found, and the exact command that reruns the job's failures locally from its
+artifact. `annotations` gives one ``::error`` workflow command per failed test, naming the test,
+the rank and the kind. Everything read is untrusted (a fork's pull request runs the job): the
+report through the bounded reader, its text escaped before it reaches a summary or a command.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from accounting.json_input import JsonInputError, printable, read_regular_file
+from megatron_testkit.charts import memory_charts_markdown
+from megatron_testkit.golden_candidates import missing_golden_markdown
+from megatron_testkit.report_input import ReportError, load_report
+from megatron_testkit.verdicts import failed_tests, verdict
+
+REPORT_JSON, REPORT_MARKDOWN = "kit-report.json", "kit-report.md"
+REPRO_COMMAND = "python -m megatron_testkit repro"
+# The report's Markdown is at most the report's own size; a file of another job's is refused past it.
+MAX_MARKDOWN_BYTES = 32 * 2**20
+_FLIGHT_RECORDER = "nccl_flight_recorder_rank*"
+
+
+def _read_markdown(path: Path) -> str | None:
+    """A Markdown file the job wrote, bounded; None when it is missing or not a regular file."""
+    try:
+        return read_regular_file(path, MAX_MARKDOWN_BYTES, "summary file").decode("utf-8", "replace")
+    except JsonInputError:
+        return None
+
+
+def repro_command(
+    artifact: str | None,
+    command: str = REPRO_COMMAND,
+    run_id: str | None = None,
+    repository: str | None = None,
+) -> str:
+    """The line that reruns a job's failures locally: download its artifact (with the GitHub CLI
+    when the run is known), then repro from the report in it."""
+    report = f"{artifact}/{REPORT_JSON}" if artifact else REPORT_JSON
+    rerun = f"{command} --from-report {shlex.quote(report)}"
+    if artifact and run_id:
+        where = f" --repo {shlex.quote(repository)}" if repository else ""
+        fetch = f"gh run download {shlex.quote(run_id)}{where} --name {shlex.quote(artifact)} --dir {shlex.quote(artifact)}"
+        return f"{fetch} && {rerun}"
+    return rerun
+
+
+def job_summary(
+    reports: Path,
+    root: Path | None = None,
+    *,
+    artifact: str | None = None,
+    repro: str | None = None,
+    also: Sequence[Path] = (),
+) -> str:
+    """The job summary's Markdown for the report folder `reports` (the tests' ids are relative to
+    `root`, default the working directory). `also`: more Markdown files the job wrote, appended
+    (a missing one is left out); without a kit report and without any of them, one line says so."""
+    extra = [text for path in also if (text := _read_markdown(path)) is not None]
+    table = _read_markdown(reports / REPORT_MARKDOWN)
+    parts = []
+    if table is not None:
+        parts.append(table)
+    elif not extra:
+        parts.append(
+            f"## Kit report\n\nNo kit report: the job stopped before the kit wrote {REPORT_MARKDOWN}.\n"
+        )
+    charts = memory_charts_markdown(reports / REPORT_JSON)
+    if charts:
+        parts.append(charts)
+    missing = missing_golden_markdown(reports, root, artifact=artifact)
+    if missing:
+        parts.append(missing)
+    dumps = sum(1 for _ in reports.rglob(_FLIGHT_RECORDER)) if reports.is_dir() else 0
+    if dumps:
+        parts.append(f"NCCL flight-recorder dumps: {dumps}\n")
+    parts += extra
+    if repro and table is not None:
+        fetch = f"download the `{printable(artifact, 200)}` artifact, then " if artifact else ""
+        parts.append(f"Reproduce locally: {fetch}`{printable(repro, 600)}`\n")
+    return "\n".join(parts)
+
+
+def _data(text: str) -> str:
+    """A workflow command's message, escaped as GitHub's toolkit does (no new line can start)."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _property(text: str) -> str:
+    """A workflow command's property value (``file=``, ``title=``), escaped."""
+    return _data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def annotations(reports: Path) -> list[str]:
+    """One ``::error`` line per failed, errored or interrupted test of the folder's report:
+    ``::error file=tests/test_x.py,title=tests/test_x.py::test_y: rank 1 oom::<first line>``.
+    None when the report is missing or unusable (the summary says why)."""
+    try:
+        report = load_report(reports / REPORT_JSON)
+    except ReportError:
+        return []
+    lines = []
+    for test in failed_tests(report):
+        v = verdict(test)
+        name = printable(v.nodeid, 300)
+        title = f"{name}: {printable(v.cause, 80)}"
+        message = printable(v.first_line, 600) or f"{v.outcome} (see the job's kit report)"
+        path = v.nodeid.split("::", 1)[0]
+        where = f"file={_property(printable(path, 300))}," if path.endswith(".py") else ""
+        lines.append(f"::error {where}title={_property(title)}::{_data(message)}")
+    return lines
