@@ -1,10 +1,11 @@
 """The CI jobs as data: one row per job, read by the workflows and by `python -m ci repro`.
 
 Every GitHub workflow job calls the reusable `.github/workflows/kit-job.yml` with a row's name,
-whose test step is literally `python3 -m ci job <name>`: the row's command with the row's
-environment (its megatron-core release in KIT_MEGATRON_CORE), then the kit report and its memory
-chart appended to the job summary once. `python -m ci repro` builds its pytest command and
-environment from the same row. `unit/test_workflows.py` checks that each caller passes exactly
+whose test step is the kit's composite action (``action.yml``, as any caller uses it) running
+`python3 -m ci job <name>`: the row's command with the row's environment (its megatron-core release
+in KIT_MEGATRON_CORE); the action then writes the job summary (`summary_markdown`, once), the
+annotations and the artifact. `python -m ci repro` builds its pytest command and environment from
+the same row. `unit/test_workflows.py` checks that each caller passes exactly
 one row and agrees with it on runner labels, container, Python and timeout, so the CI job and
 its local reproduction cannot drift apart.
 
@@ -127,6 +128,7 @@ class Job:
     pytest_args: tuple[str, ...] = _COMMON_PYTEST_ARGS
     suite: str = "tests"
     history: str | None = None
+    summary_files: tuple[str, ...] = ()  # Markdown files of the report folder the summary adds
 
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
@@ -236,6 +238,7 @@ def _nightly_cpu_row(
         pytest_args=_COMMON_PYTEST_ARGS if suite == "tests" else (),
         suite=suite,
         history=history,
+        summary_files=(Path(BENCH_MARKDOWN).name,) if suite == "bench" else (),
     )
 
 
@@ -303,59 +306,34 @@ def describe(job: Job, reports: Path) -> str:
     return f"{env} {shlex.join(job.command())}"
 
 
+# What the reusable workflow gives the kit's action for every row: the artifact holding the report
+# folder, and this repository's repro command (its rows are ci/jobs.py's, not a pyproject's).
+ARTIFACT = "kit-reports-{name}"
+REPRO_COMMAND = "python -m ci repro"
+
+
 def summary_markdown(job: Job, reports: Path) -> str:
-    """What the job appends to GitHub's step summary, once: the kit report, its memory chart, the
-    golden files to make (when its platform lacks some), how to rerun."""
-    if job.suite == "bench":
-        return _bench_summary(job, reports)
-    from megatron_testkit.charts import memory_charts_markdown
+    """What the job summary holds for a row, as the kit's action writes it (`python -m
+    megatron_testkit summary` with the arguments kit-job.yml passes): the kit report, its memory
+    chart, the golden files to make (when its platform lacks some), the NCCL dumps, how to rerun;
+    a benchmark row's ratio table instead of a kit report."""
+    from megatron_testkit.summary import job_summary, repro_command
 
-    md = reports / "kit-report.md"
-    parts = [
-        md.read_text()
-        if md.is_file()
-        else f"## Kit report\n\nNo kit report: the job stopped before the kit wrote {md.name}.\n"
-    ]
-    charts = memory_charts_markdown(reports / "kit-report.json")
-    if charts:
-        parts.append(charts)
-    # The first run on a platform (the first GPU job) has no golden files for it: say which are
-    # missing and the shipped command that makes them from this job's report.
-    from megatron_testkit.golden_candidates import missing_golden_markdown
-
-    missing = missing_golden_markdown(reports, ROOT, artifact=f"kit-reports-{job.name}")
-    if missing:
-        parts.append(missing)
-    if job.gpus:
-        dumps = sum(1 for _ in reports.rglob("nccl_flight_recorder_rank*"))
-        parts.append(f"NCCL flight-recorder dumps: {dumps}\n")
-    parts.append(
-        f"Reproduce locally: download the `kit-reports-{job.name}` artifact, then "
-        "`python -m ci repro --from-report kit-report.json`\n"
-    )
-    return "\n".join(parts)
-
-
-def _bench_summary(job: Job, reports: Path) -> str:
-    """A benchmark row's summary: the ratio table `python -m ci bench` wrote, and where the runs are."""
-    md = reports / Path(BENCH_MARKDOWN).name
-    table = (
-        md.read_text()
-        if md.is_file()
-        else f"## Benchmarks\n\nNo ratio table: the run stopped before {md.name}.\n"
-    )
-    return (
-        f"{table}\nThe runs (pytest-benchmark JSON): the `kit-reports-{job.name}` artifact, "
-        f"{job.history or 'reports/benchmarks'}/.\n"
+    artifact = ARTIFACT.format(name=job.name)
+    return job_summary(
+        reports,
+        ROOT,
+        artifact=artifact,
+        repro=repro_command(artifact, REPRO_COMMAND),
+        also=[reports / name for name in job.summary_files],
     )
 
 
 def run_job(name: str, *, dry_run: bool = False) -> int:
     """Run job `name` as the workflow does and return its exit code (2 for an unknown name).
 
-    Afterwards the report, the memory chart and the repro line go to `$GITHUB_STEP_SUMMARY` (when
-    set) exactly once, whatever the tests did; the memory chart's PNG goes to reports/ when
-    matplotlib is installed.
+    Afterwards the memory chart's PNG goes to reports/ when matplotlib is installed. The job
+    summary is the kit's action's (kit-job.yml), written once after this returns.
     """
     job = JOBS.get(name)
     if job is None:
@@ -378,14 +356,11 @@ def run_job(name: str, *, dry_run: bool = False) -> int:
 
         png = write_png(reports / "kit-report.json", reports / "kit-memory.png")
         print(f"ci job {job.name}: {png}", flush=True)
-    summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary:
-        append_summary(job, reports, Path(summary))
     return returncode
 
 
 def append_summary(job: Job, reports: Path, summary: Path) -> None:
-    """Append `summary_markdown` to the step summary file (the only writer of the kit report there)."""
+    """Append `summary_markdown` to a summary file (what the action does with the step summary)."""
     with open(summary, "a") as f:
         f.write(summary_markdown(job, reports))
 

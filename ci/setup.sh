@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates the virtual environment for one megatron-core release (once) and installs the kit with its
-# test and inspect extras plus that release. Prints the interpreter to use on stdout (the only line
+# dev extra (this repository's tools, with the user's `test` and `charts` extras) and inspect, plus that release. Prints the interpreter to use on stdout (the only line
 # it prints there; everything else goes to stderr), so callers run `py=$(bash ci/setup.sh)`.
 #
 # The release is KIT_MEGATRON_CORE (default: the newest release the registry serves, below). Each
@@ -91,11 +91,11 @@ if ! "$py" -c 'import torch' 2>/dev/null; then
     pip install torch==2.13.0
   fi
 fi
-extras="test,charts"
+extras="dev"
 if [ "${KIT_SYSTEM_PYTHON:-0}" = "1" ] && "$py" -c 'import nvdlfw_inspect' 2>/dev/null; then
   echo "ci/setup.sh: keeping the interpreter's own nvdlfw-inspect" >&2
 else
-  extras=test,charts,inspect
+  extras=dev,inspect
 fi
 # Not the `megatron` extra: it would resolve megatron-core by itself (0.16.1 on Python 3.11).
 pip install -e ".[$extras]" psutil

@@ -79,7 +79,7 @@ def test_within_kit_host_memory_nothing_is_killed(limit: int, monkeypatch: pytes
 
 @pytest.fixture
 def rank_cgroup(limit: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    from ci.limits import apply_memory_limit
+    from megatron_testkit.repro_limit import apply_memory_limit
 
     group = apply_memory_limit(limit)
     if group.cgroup is None:
@@ -160,7 +160,7 @@ def test_a_kernel_oom_kill_in_the_launchers_own_cgroup_is_named_oom_not_crash(li
     import subprocess
     import sys
 
-    from ci.limits import apply_memory_limit
+    from megatron_testkit.repro_limit import apply_memory_limit
 
     group = apply_memory_limit(8 << 30)  # made here; the launcher lowers it from inside
     if group.cgroup is None:

@@ -321,10 +321,10 @@ GROWING = textwrap.dedent(
 def test_a_rank_killed_by_the_repro_watcher_is_oom_in_the_report(tmp_path: Path) -> None:
     # `python -m ci repro --host-memory 1200MiB --limit-method env`, without its KIT_HOST_MEMORY
     # (so only the watcher enforces it): two idle ranks hold ~600 MiB, rank 1 then grows past it.
-    from ci.limits import apply_memory_limit
+    from megatron_testkit.repro_limit import apply_memory_limit
 
     env = {k: v for k, v in os.environ.items() if k not in ("KIT_HOST_MEMORY", "KIT_RANK_CGROUP")}
-    limit = apply_memory_limit(1200 * 2**20, "env")
+    limit = apply_memory_limit(1200 * 2**20, "env", owner="python -m ci repro")
     proc = _start(tmp_path, GROWING, "--kit-report=reports", env=env)
     watcher = limit.watch(proc.pid)
     try:

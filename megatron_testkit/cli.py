@@ -72,7 +72,11 @@ def _summary(argv: list[str]) -> int:
         "--also", metavar="FILE", action="append", default=[], help="more Markdown to append (if it exists)"
     )
     parser.add_argument("--root", metavar="DIR", default=".", help="the project root (default: .)")
-    parser.add_argument("--annotations", action="store_true", help="print the ::error lines instead")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--annotations", action="store_true", help="print the ::error lines instead")
+    shown.add_argument(
+        "--repro-line", action="store_true", help="print only the command that reproduces the job"
+    )
     try:
         args = parser.parse_args(argv)
     except _Usage as exc:

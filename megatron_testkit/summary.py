@@ -42,15 +42,14 @@ def repro_command(
     run_id: str | None = None,
     repository: str | None = None,
 ) -> str:
-    """The line that reruns a job's failures locally: download its artifact (with the GitHub CLI
-    when the run is known), then repro from the report in it."""
-    report = f"{artifact}/{REPORT_JSON}" if artifact else REPORT_JSON
-    rerun = f"{command} --from-report {shlex.quote(report)}"
-    if artifact and run_id:
-        where = f" --repo {shlex.quote(repository)}" if repository else ""
-        fetch = f"gh run download {shlex.quote(run_id)}{where} --name {shlex.quote(artifact)} --dir {shlex.quote(artifact)}"
-        return f"{fetch} && {rerun}"
-    return rerun
+    """The line that reruns a job's failures locally, in the project's root: when the run is known,
+    the GitHub CLI downloads its artifact into a folder of that name first; else the report is the
+    downloaded artifact's ``kit-report.json``."""
+    if not (artifact and run_id):
+        return f"{command} --from-report {REPORT_JSON}"
+    where = f" --repo {shlex.quote(repository)}" if repository else ""
+    fetch = f"gh run download {shlex.quote(run_id)}{where} --name {shlex.quote(artifact)} --dir {shlex.quote(artifact)}"
+    return f"{fetch} && {command} --from-report {shlex.quote(f'{artifact}/{REPORT_JSON}')}"
 
 
 def job_summary(
@@ -62,9 +61,13 @@ def job_summary(
     also: Sequence[Path] = (),
 ) -> str:
     """The job summary's Markdown for the report folder `reports` (the tests' ids are relative to
-    `root`, default the working directory). `also`: more Markdown files the job wrote, appended
-    (a missing one is left out); without a kit report and without any of them, one line says so."""
-    extra = [text for path in also if (text := _read_markdown(path)) is not None]
+    `root`, default the working directory). `also`: more Markdown files the job writes, appended
+    (one line for each that is missing); without a kit report one line says so, unless the job
+    writes such files instead (a benchmark row)."""
+    extra = [
+        _read_markdown(path) or f"No {printable(path.name, 200)}: the job stopped before it wrote it.\n"
+        for path in also
+    ]
     table = _read_markdown(reports / REPORT_MARKDOWN)
     parts = []
     if table is not None:

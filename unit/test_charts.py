@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ci.charts import bars, memory_charts_markdown, mermaid, write_png
+from megatron_testkit.charts import bars, memory_charts_markdown, mermaid, write_png
 from ci.jobs import ROOT
 from megatron_testkit import skips
 
@@ -171,13 +171,15 @@ MALFORMED = {
 def test_a_malformed_report_is_one_line_exit_2_never_a_traceback(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ci.charts import main
+    from megatron_testkit.charts import main
 
     path = tmp_path / "kit-report.json"
     path.write_text(MALFORMED[case])
-    assert main([str(path)]) == 2
+    assert main([str(path)], prog="python -m ci") == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("python -m ci: error: chart: "), err
+    assert main([str(path)]) == 2  # as shipped: the kit's command line names itself
+    assert capsys.readouterr().err.startswith("python -m megatron_testkit: error: chart: ")
     # The job summary's reader says so in one line too, and the PNG writer does not raise.
     assert memory_charts_markdown(path).startswith("Memory chart: none, the report is unusable (")
     assert write_png(path, tmp_path / "kit-memory.png").startswith("memory chart: the report is unusable")

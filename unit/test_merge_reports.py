@@ -1,4 +1,4 @@
-"""`ci.merge_reports`: per-rank torchrun reports merged into one, failures named by node and rank."""
+"""`megatron_testkit.merge_nodes` (`merge-reports`): per-rank torchrun reports merged into one, failures named by node and rank."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ci import merge_reports
+from megatron_testkit import merge_nodes as merge_reports
 from ci.jobs import ROOT
 
 pytestmark = pytest.mark.L0

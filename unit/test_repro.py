@@ -21,9 +21,9 @@ import pytest
 
 from ci import repro
 from ci.jobs import JOBS, ROOT, pytest_args
-from ci.limits import Kill, apply_memory_limit
-from ci.report_input import MAX_REPORT_BYTES
-from ci.verdicts import (
+from megatron_testkit.repro_limit import Kill, apply_memory_limit
+from megatron_testkit.report_input import MAX_REPORT_BYTES
+from megatron_testkit.verdicts import (
     ReportError,
     failed_tests,
     format_comparison,
@@ -332,7 +332,7 @@ def test_load_report_accepts_what_the_plugin_writes(tmp_path: Path) -> None:
     path = write_report(tmp_path / "r.json", [oom_entry()])
     assert load_report(path)["tests"][0]["failure"]["kind"] == "oom"
     (tmp_path / "list.json").write_text("[]")
-    with pytest.raises(ReportError, match="is not a version-2 kit report"):
+    with pytest.raises(ReportError, match="is not a version-3 kit report"):
         load_report(tmp_path / "list.json")
 
 
@@ -870,7 +870,7 @@ def test_a_field_of_the_wrong_type_is_a_one_line_error_naming_it(
 
 MALFORMED_FILES = {
     "truncated": (b'{"version": 1, "session": {}, "tests": [{"nodeid": "a', "is not JSON"),
-    "not an object": (b"[1, 2, 3]", "is not a version-2 kit report"),
+    "not an object": (b"[1, 2, 3]", "is not a version-3 kit report"),
     "NaN": (b'{"version": 1, "session": {"duration_s": NaN}, "tests": []}', "NaN is not a JSON number"),
     "deep nesting": (
         b'{"version": 1, "tests": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
@@ -998,7 +998,7 @@ def test_the_child_helper_passes_a_signal_on_when_the_child_shares_the_terminals
     alone is passed to the child itself (pytest directly, as repro runs it)."""
     code = (
         "import subprocess, sys\n"
-        "from ci.child import exit_code, wait_forwarding\n"
+        "from megatron_testkit.child import exit_code, wait_forwarding\n"
         "proc = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])\n"
         "sys.exit(exit_code(wait_forwarding(proc)))\n"
     )
@@ -1019,7 +1019,7 @@ def test_the_child_helper_passes_a_signal_on_when_the_child_shares_the_terminals
 
 def test_an_interrupted_test_is_rerun_and_said_so() -> None:
     # A CI cancel records the running test as `interrupted`: it never passed, so repro reruns it.
-    from ci.verdicts import failed_tests, verdict
+    from megatron_testkit.verdicts import failed_tests, verdict
 
     report = {
         "tests": [

@@ -58,8 +58,12 @@ def _outcomes(pytester: pytest.Pytester) -> dict[str, str]:
     return {row["nodeid"].split("::")[-1]: row["outcome"] for row in report["tests"]}
 
 
-def _run(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, allowed: str | None) -> pytest.RunResult:
+def _run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, allowed: str | None, summary: bool = True
+) -> pytest.RunResult:
     pytester.makepyfile(test_inner=INNER)
+    if summary:  # the project opts in to the skip summary, as this repository's pyproject does
+        pytester.makeini("[pytest]\nkit_skip_summary = true\n")
     if allowed is None:
         monkeypatch.delenv(skips.ALLOWED_SKIPS_ENV, raising=False)
     else:
@@ -90,6 +94,20 @@ def test_unset_skips_stand_and_the_summary_groups_them_by_capability(
         "skips by capability: cuda 1, te 1, undeclared 1"
         in (pytester.path / "reports" / "kit-report.md").read_text()
     )
+
+
+def test_a_project_that_did_not_opt_in_sees_nothing_of_the_skip_policy(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A user's plain `pytest.skip` printed this repository's policy ("skips by capability ...
+    # KIT_ALLOWED_SKIPS unset ...") before: neither KIT_ALLOWED_SKIPS nor the ini option is set.
+    result = _run(pytester, monkeypatch, None, summary=False)
+    result.assert_outcomes(passed=1, skipped=3, xfailed=1)
+    text = result.stdout.str() + result.stderr.str()
+    assert "skips by capability" not in text and "KIT_ALLOWED_SKIPS" not in text
+    assert "capabilit" not in (pytester.path / "reports" / "kit-report.md").read_text()
+    report = json.loads((pytester.path / "reports" / "kit-report.json").read_text())
+    assert report["session"]["skip_summary"] is False and report["session"]["allowed_skips"] is None
 
 
 def test_under_a_declared_set_only_the_listed_capabilities_may_skip(
