@@ -86,8 +86,13 @@ def job_summary(
     if dumps:
         parts.append(f"NCCL flight-recorder dumps: {dumps}\n")
     parts += extra
+    if extra and table is None and artifact:
+        parts.append(f"The job's files: the `{printable(artifact, 200)}` artifact.\n")
     if repro and table is not None:
-        fetch = f"download the `{printable(artifact, 200)}` artifact, then " if artifact else ""
+        downloads = repro.startswith("gh run download")  # the line fetches the artifact itself
+        fetch = (
+            f"download the `{printable(artifact, 200)}` artifact, then " if artifact and not downloads else ""
+        )
         parts.append(f"Reproduce locally: {fetch}`{printable(repro, 600)}`\n")
     return "\n".join(parts)
 

@@ -1,11 +1,13 @@
-"""The GitHub workflows are valid, current, and run exactly the jobs of ci/jobs.py.
+"""The GitHub workflows are valid, current, and run exactly the jobs of ci/jobs.py through the kit's action.
 
 A broken workflow fails here rather than on GitHub: every file is checked by actionlint (with
 shellcheck on each `run:` script) and validated against GitHub's workflow schema
 (check-jsonschema's vendored copy, offline), and a deliberately broken copy must be rejected by
 each. Structure: three callers (L0, L1, nightly L2) of one reusable workflow, each caller job
-passing one row of ci/jobs.py and agreeing with it; actions on their node24 majors; the report
-appended to the job summary once, by `python -m ci job`; artifacts uploaded even when tests fail.
+passing one row of ci/jobs.py and agreeing with it; actions on their node24 majors; the row run
+by the kit's composite action (action.yml, `uses: ./`, as any caller uses it), which writes the
+report to the job summary once and uploads the artifacts even when tests fail. The action itself
+is checked in unit/test_action.py.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from typing import Any
 import pytest
 import yaml
 
-from ci.jobs import JOBS, MEGATRON_NEWEST, MEGATRON_OLDEST, ROOT, Job, append_summary, pytest_args
+from ci.jobs import ARTIFACT, JOBS, MEGATRON_NEWEST, MEGATRON_OLDEST, REPRO_COMMAND, ROOT, Job, append_summary
+from ci.repro import row as repro_row
+from megatron_testkit.repro import pytest_args as kit_pytest_args
 
 pytestmark = pytest.mark.L0
 
 WORKFLOWS = ROOT / ".github" / "workflows"
+ACTION = ROOT / "action.yml"  # the kit's composite action, which the reusable workflow uses
 WORKFLOW_FILES = sorted(WORKFLOWS.glob("*.yml"))
 REUSABLE = "kit-job.yml"
 CALLERS = ("ci.yml", "l1.yml", "nightly.yml")
@@ -65,6 +70,19 @@ def callers() -> dict[str, tuple[str, dict[str, Any]]]:
 
 def row_of(job: dict[str, Any]) -> Job:
     return JOBS[job["with"]["job"]]
+
+
+def pytest_args(job: Job, reports: str | Path) -> list[str]:
+    """What `python -m ci repro` runs for a row (the kit's repro on the row of ci/jobs.py)."""
+    return kit_pytest_args(repro_row(job), reports)
+
+
+ROW_RUN = 'python3 -m ci job "${{ inputs.job }}"'
+
+
+def action_steps(job: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """The steps of a reusable-workflow job that use the kit's action, with their positions."""
+    return [(i, step) for i, step in enumerate(job["steps"]) if step.get("uses") == "./"]
 
 
 # --- the two validators, and a broken copy rejected by each -----------------------------------
@@ -222,7 +240,8 @@ def test_superseded_runs_are_cancelled(name: str) -> None:
 
 
 def test_every_action_is_on_its_node24_major() -> None:
-    uses = re.findall(r"uses: (actions/[\w-]+)@(\S+)", "\n".join(p.read_text() for p in WORKFLOW_FILES))
+    files = [*WORKFLOW_FILES, ACTION]  # the kit's action uses upload-artifact itself
+    uses = re.findall(r"uses: (actions/[\w-]+)@(\S+)", "\n".join(p.read_text() for p in files))
     assert {action for action, _ in uses} == set(NODE24_MAJORS)
     for action, version in uses:
         assert version == NODE24_MAJORS[action], f"{action}@{version}"
@@ -252,6 +271,7 @@ def test_callers_agree_with_their_rows() -> None:
         ), where
         assert given.get("lint", False) is row.lint, where
         assert given.get("history", "") == (row.history or ""), where
+        assert given.get("summary-also", "") == " ".join(row.summary_files), where
         assert row.megatron_core in job["name"], f"{where}: the job's name says its megatron-core release"
 
 
@@ -263,9 +283,11 @@ def test_the_reusable_workflow_runs_the_row_and_nothing_else_runs_tests() -> Non
     assert inputs["python-version"]["default"] == "3.12"
     for job_id, job in doc["jobs"].items():
         runs = [step["run"] for step in job["steps"] if "run" in step]
-        assert [r for r in runs if r.startswith("python3 -m ci job") and "--setup" not in r] == [
-            'python3 -m ci job "${{ inputs.job }}"'
-        ], job_id
+        # The row runs once, through the kit's action (the same way a user's project runs its tests).
+        assert [r for r in runs if r.startswith("python3 -m ci job") and "--setup" not in r] == [], job_id
+        ((_, step),) = action_steps(job)
+        assert step["with"]["command"] == ROW_RUN, job_id
+        assert step["with"]["install"] == "false", f"{job_id}: ci/setup.sh installed the kit for the row"
         for run in runs:
             assert "pytest" not in run and "ci/test.sh" not in run, f"{job_id} runs tests around ci/jobs.py"
         assert job["runs-on"] == "${{ fromJSON(inputs.runs-on) }}"
@@ -273,20 +295,37 @@ def test_the_reusable_workflow_runs_the_row_and_nothing_else_runs_tests() -> Non
 
 
 def test_the_report_reaches_the_summary_once_and_artifacts_upload_even_on_failure() -> None:
+    action = load(ACTION)
+    action_steps_ = action["runs"]["steps"]
+    inputs = action["inputs"]
     for job_id, job in load(WORKFLOWS / REUSABLE)["jobs"].items():
         steps = job["steps"]
         text = yaml.safe_dump(steps)
-        assert "GITHUB_STEP_SUMMARY" not in text, f"{job_id}: `python -m ci job` writes the summary, once"
-        test_index = next(
-            i for i, s in enumerate(steps) if s.get("run") == 'python3 -m ci job "${{ inputs.job }}"'
+        assert "GITHUB_STEP_SUMMARY" not in text, f"{job_id}: the kit's action writes the summary, once"
+        assert not [s for s in steps if s.get("uses", "").startswith("actions/upload-artifact@")], (
+            f"{job_id}: the kit's action uploads the report folder, once"
         )
-        uploads = [
-            s for s in steps[test_index + 1 :] if s.get("uses", "").startswith("actions/upload-artifact@")
-        ]
-        assert len(uploads) == 1, job_id
-        assert uploads[0]["if"] == "always()"
-        assert uploads[0]["with"]["path"].rstrip("/") == "reports", "report, junit.xml, logs/ and the chart"
-        assert uploads[0]["with"]["name"] == "kit-reports-${{ inputs.job }}"
+        ((_, step),) = action_steps(job)
+        given = step["with"]
+        assert set(given) <= set(inputs), job_id
+        # What the action uploads and names: the row's report folder as kit-reports-<row>.
+        assert given["report-dir"].rstrip("/") == "reports", "report, junit.xml, logs/ and the chart"
+        assert (
+            given["artifact-name"]
+            == ARTIFACT.format(name="${{ inputs.job }}")
+            == "kit-reports-${{ inputs.job }}"
+        )
+        assert given["repro-command"] == REPRO_COMMAND == "python -m ci repro"
+        assert given["summary-also"] == "${{ inputs.summary-also }}"
+    summary_writers = [s for s in action_steps_ if "GITHUB_STEP_SUMMARY" in s.get("run", "")]
+    assert len(summary_writers) == 1 and summary_writers[0]["if"] == "always()"
+    uploads = [s for s in action_steps_ if s.get("uses", "").startswith("actions/upload-artifact@")]
+    assert len(uploads) == 1, "one upload, after the tests"
+    assert uploads[0]["if"] == "always()"
+    assert uploads[0]["with"]["path"] == "${{ inputs.report-dir }}"
+    assert uploads[0]["with"]["name"] == "${{ steps.names.outputs.artifact }}"
+    tests = next(i for i, s in enumerate(action_steps_) if s.get("id") == "tests")
+    assert tests < action_steps_.index(summary_writers[0]) < action_steps_.index(uploads[0])
 
 
 def test_the_runner_and_container_jobs_split_on_the_container_input() -> None:
@@ -303,7 +342,8 @@ def test_lint_runs_before_the_tests_when_asked() -> None:
     check, fmt = runs.index(".venv/bin/ruff check ."), runs.index(".venv/bin/ruff format --check .")
     assert steps[check]["if"] == steps[fmt]["if"] == "inputs.lint"
     setup = runs.index('python3 -m ci job "${{ inputs.job }}" --setup')
-    assert setup < check < fmt < runs.index('python3 -m ci job "${{ inputs.job }}"')
+    ((row_step, _),) = action_steps(load(WORKFLOWS / REUSABLE)["jobs"]["runner"])
+    assert setup < check < fmt < row_step
     assert [row.name for row in JOBS.values() if row.lint] == ["L0-cpu"]
 
 
@@ -668,8 +708,8 @@ def test_the_history_is_restored_before_the_run_and_saved_by_the_cache_only_on_s
     )
     assert cache["with"]["restore-keys"] == "history-${{ inputs.job }}-"
     assert "save-always" not in cache["with"], "a regressed (red) night must not become the baseline"
-    runs = [s.get("run") for s in steps]
-    assert index < runs.index('python3 -m ci job "${{ inputs.job }}"')
+    ((row_step, _),) = action_steps(jobs["runner"])
+    assert index < row_step
     assert not [s for s in jobs["gpu"]["steps"] if "inputs.history" in str(s)], "no GPU row keeps a history"
 
 
@@ -677,7 +717,8 @@ def test_a_bench_rows_summary_is_its_ratio_table(tmp_path: Path) -> None:
     reports, summary = tmp_path / "reports", tmp_path / "summary.md"
     reports.mkdir()
     append_summary(JOBS["bench-cpu"], reports, summary)
-    assert "No ratio table: the run stopped before bench-report.md" in summary.read_text()
+    assert "No bench-report.md: the job stopped before it wrote it." in summary.read_text()
+    assert "No kit report" not in summary.read_text(), "a benchmark row writes its table instead"
     (reports / "bench-report.md").write_text(
         "## Benchmarks\n\n| g: a / b | 0.250 | 0.400 | +60% | regressed |\n"
     )
