@@ -203,7 +203,26 @@ def _fresh_venv(
     with zipfile.ZipFile(wheel) as zf:  # a pure wheel's install: its files into site-packages
         names = zf.namelist()
         zf.extractall(site)
+    _write_console_scripts(python, site, names)
     return python, site, names
+
+
+def _write_console_scripts(python: Path, site: Path, names: list[str]) -> None:
+    """What an installer does with the wheel's ``[console_scripts]``: a launcher in the venv's bin/."""
+    import configparser
+
+    (entry_points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # names keep their case
+    parser.read_string((site / entry_points).read_text())
+    scripts = parser["console_scripts"] if parser.has_section("console_scripts") else {}
+    for name, target in scripts.items():
+        module, _, function = target.strip().partition(":")
+        launcher = python.parent / name
+        launcher.write_text(
+            f"#!{python}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n"
+        )
+        launcher.chmod(0o755)
 
 
 @pytest.fixture(scope="module")
@@ -224,12 +243,19 @@ def test_the_wheel_ships_the_library_and_the_kit_and_no_fixtures_package(env: di
     (dist_info,) = (t for t in tops if t.endswith(".dist-info"))
     entry_points = (env["site"] / dist_info / "entry_points.txt").read_text()
     assert "[pytest11]\nmegatron_testkit.plugin = megatron_testkit.plugin" in entry_points
+    from packaging.requirements import Requirement
+
     requires = [
-        line.split(":", 1)[1].strip()
+        Requirement(line.split(":", 1)[1].strip())
         for line in (env["site"] / dist_info / "METADATA").read_text().splitlines()
         if line.startswith("Requires-Dist:") and "extra ==" not in line
     ]
-    assert sorted(r.split(">")[0].split("=")[0].strip() for r in requires) == ["psutil", "pytest"]
+    here = [r.name for r in requires if r.marker is None or r.marker.evaluate({"extra": ""})]
+    assert sorted(here) == (
+        ["psutil", "pytest"] if sys.version_info >= (3, 11) else ["psutil", "pytest", "tomli"]
+    )
+    # tomli only where tomllib is missing (the repro's pyproject rows); nothing else is conditional.
+    assert sorted(r.name for r in requires if r.marker is not None) == ["tomli"]
     # Installing the kit left the other `fixtures` package as it was.
     assert env["standin"].read_text() == PYPI_FIXTURES_STANDIN
 
@@ -530,3 +556,205 @@ def test_the_readmes_example_runs_in_a_fresh_project(megatron_env: dict[str, Any
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "1 passed" in result.stdout
     assert "test_tp2_gpt_on_cpu" in result.stdout  # its row in the kit's table
+
+
+# ---- the CI half, as a new user meets it ---------------------------------------------------------
+# A user's own project: rank tests (one passes, one crosses its memory budget on rank 1, one
+# catches the RankFailure of a launch whose rank 1 runs out of memory), a golden-values test whose
+# committed file no longer matches, and a plain pytest.skip.
+USER_PROJECT = {
+    "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n',
+    "tests/test_user.py": textwrap.dedent(
+        """
+        import pytest
+
+        from megatron_testkit import RankFailure, metrics, run_ranks
+
+
+        def total(rank, world_size):
+            import torch
+            import torch.distributed as dist
+
+            t = torch.tensor([rank + 1.0])
+            dist.all_reduce(t)
+            return t.item()
+
+
+        def hog(rank, world_size, mib):
+            import torch
+
+            if rank == 1:
+                x = torch.ones(mib * 2**20 // 4)  # touched pages: resident
+                return float(x[0])
+            return 0.0
+
+
+        def impossible(rank, world_size):
+            import torch
+            import torch.distributed as dist
+
+            if rank == 1:
+                torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the allocator refuses it
+            dist.barrier()
+
+
+        @pytest.mark.memory_budget(host="2GiB")
+        def test_all_reduce():
+            assert run_ranks(total, 2, timeout=120) == [3.0, 3.0]
+
+
+        @pytest.mark.memory_budget(host="600MiB")
+        def test_budget_oom():
+            run_ranks(hog, 2, timeout=120, args=(900,))
+
+
+        def test_caught():
+            with pytest.raises(RankFailure) as failure:
+                run_ranks(impossible, 2, timeout=120)
+            assert (failure.value.rank, failure.value.kind) == (1, "oom")
+
+
+        def test_loss(kit_metrics):
+            kit_metrics.record_steps("loss", [2.5, 2.25], metrics.relative(1e-6, "the same arithmetic"))
+
+
+        def test_not_today():
+            pytest.skip("not on this runner")
+        """
+    ),
+    # The committed golden file, from before the intended change (step 2 was 2.0).
+    "tests/golden/test_user/test_loss.cpu-gloo.json": json.dumps(
+        {
+            "test": "tests/test_user.py::test_loss",
+            "platform": "cpu-gloo",
+            # Made on this release (the throwaway environment links this one's megatron-core): a
+            # file made on another minor would get a release file of its own beside it instead.
+            "made_with": {"megatron_core": metadata.version("megatron-core"), "torch": None},
+            "series": {
+                "loss": {
+                    "compare": {"kind": "relative", "tolerance": 1e-6, "why": "the same arithmetic"},
+                    "values": {"1": 2.5, "2": 2.0},
+                }
+            },
+        },
+        indent=2,
+    )
+    + "\n",
+}
+OOM, CAUGHT, LOSS = (
+    f"tests/test_user.py::{name}" for name in ("test_budget_oom", "test_caught", "test_loss")
+)
+
+
+def _as_typed(line: str, python: Path) -> list[str]:
+    """A printed command line as a person runs it in the throwaway environment (its python)."""
+    import shlex
+
+    return [str(python) if word == "python" else word for word in shlex.split(line)]
+
+
+def test_a_new_users_ci_session_runs_command_by_command_with_only_the_wheel(
+    megatron_env: dict[str, Any], tmp_path: Path
+) -> None:
+    python = megatron_env["python"]
+    project = tmp_path / "user-project"
+    _write(project, USER_PROJECT)
+    # The kit's command line and its console script list the CI commands.
+    for argv in (
+        [python, "-m", "megatron_testkit", "--help"],
+        [python.parent / "megatron-testkit", "--help"],
+    ):
+        shown = _run_fresh(*argv, cwd=project)
+        assert shown.returncode == 0, shown.stderr
+        listed = [line.split()[0] for line in shown.stdout.splitlines() if line.startswith("    ")]
+        assert listed == ["repro", "golden", "chart", "merge-reports", "summary"], shown.stdout
+    # Their suite, with the kit report.
+    ran = _run_fresh(
+        python, "-m", "pytest", "-p", "no:cacheprovider", "--kit-report=reports", cwd=project, timeout=900
+    )
+    assert ran.returncode == 1, ran.stdout[-4000:] + ran.stderr[-4000:]
+    rows = {
+        row["nodeid"]: row for row in json.loads((project / "reports/kit-report.json").read_text())["tests"]
+    }
+    assert (rows[OOM]["failure"]["rank"], rows[OOM]["failure"]["kind"]) == (1, "oom")
+    # The caught launch keeps its verdict: passed, and the launch failed on rank 1 (oom), caught.
+    assert rows[CAUGHT]["outcome"] == "passed" and rows[CAUGHT]["failure"] is None
+    (launch,) = rows[CAUGHT]["launches"]
+    assert (launch["rank"], launch["kind"], launch["caught"]) == (1, "oom", True)
+    caught_line = next(line for line in ran.stdout.splitlines() if "test_caught" in line)
+    assert caught_line.rstrip().endswith("passed (1 launch failed: rank 1 oom, caught)"), caught_line
+    # An ordinary skip prints nothing of the kit's skip policy.
+    assert "capabilit" not in ran.stdout + ran.stderr and "KIT_ALLOWED_SKIPS" not in ran.stdout
+    # The golden hint, run as printed, refreshes the file.
+    hint = next(line for line in ran.stdout.splitlines() if "refresh with: " in line)
+    command = hint.split("refresh with: ", 1)[1].strip()
+    assert command == "python -m megatron_testkit golden update reports/kit-report.json", hint
+    refreshed = _run_fresh(*_as_typed(command, python), cwd=project)
+    assert refreshed.returncode == 0, refreshed.stdout + refreshed.stderr
+    golden_file = project / "tests/golden/test_user/test_loss.cpu-gloo.json"
+    assert json.loads(golden_file.read_text())["series"]["loss"]["values"] == {"1": 2.5, "2": 2.25}
+    # Repro from the report: the failed tests rerun; the OOM's verdict is reproduced (rank, kind).
+    repro = _run_fresh(
+        python,
+        "-m",
+        "megatron_testkit",
+        "repro",
+        "--from-report",
+        "reports/kit-report.json",
+        cwd=project,
+        timeout=900,
+    )
+    assert repro.returncode != 0, "it still fails"
+    out = repro.stdout
+    assert "kit repro: the session (tier -, the report's recorded session): 2 failed test(s)" in out, out[-3000:]
+    oom = next(line for line in out.splitlines() if line.startswith(f"{OOM}: CI: "))
+    assert oom.startswith(f"{OOM}: CI: rank 1 oom at ") and " / here: rank 1 oom at " in oom, oom
+    assert f"{LOSS}: CI: golden at " in out and f"{LOSS}: CI: golden" in out
+    assert next(line for line in out.splitlines() if line.startswith(f"{LOSS}: CI:")).endswith(
+        "/ here: passed"
+    )
+    assert "kit repro: 1 of 2 test(s) CI failed still fail here" in out
+    # chart draws their report (the Mermaid block; the PNG needs the charts extra, not installed).
+    chart = _run_fresh(python, "-m", "megatron_testkit", "chart", "reports/kit-report.json", cwd=project)
+    assert chart.returncode == 0, chart.stderr
+    assert "```mermaid\nxychart-beta" in chart.stdout and '"test_budget_oom"' in chart.stdout
+    assert "matplotlib is not installed, PNG skipped" in chart.stdout
+
+
+def test_the_composite_actions_steps_run_against_a_fresh_project(
+    megatron_env: dict[str, Any], tmp_path: Path
+) -> None:
+    from fixtures.github_action import run_action
+
+    python = megatron_env["python"]
+    project = tmp_path / "action-project"
+    _write(project, USER_PROJECT)
+    run = run_action(
+        REPO / "action.yml",
+        # The kit is installed already (no network here); a runner's memory limit for the ranks.
+        {"pytest-args": "-p no:cacheprovider -k 'oom or skip'", "install": "false", "python": str(python),
+         "runner-memory": "7GB"},
+        cwd=project,
+        env=_fresh_env(),
+        github={"job": "tests", "run_id": "7", "repository": "user/project"},
+        timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 1, run.log[-4000:]
+    session = json.loads((project / "reports/kit-report.json").read_text())["session"]
+    assert (session["ci_job"], session["runner_memory_bytes"], session["runner_memory_source"]) == (
+        "tests", 7 * 10**9, "KIT_HOST_MEMORY",
+    )  # fmt: skip
+    errors = [line for line in run.step("Job summary, memory chart and annotations").output.splitlines()
+              if line.startswith("::error")]  # fmt: skip
+    assert errors and errors[0].startswith(
+        "::error file=tests/test_user.py,title=tests/test_user.py%3A%3Atest_budget_oom%3A rank 1 oom::"
+    ), errors
+    assert run.summary.count("## Kit report") == 1 and "```mermaid\nxychart-beta" in run.summary
+    assert "capabilit" not in run.summary + run.log
+    repro = (
+        "gh run download 7 --repo user/project --name kit-reports-tests --dir kit-reports-tests && "
+        "python -m megatron_testkit repro --from-report kit-reports-tests/kit-report.json"
+    )
+    assert repro in run.summary and repro in run.step("The command that reproduces this job").output
+    upload = run.step("Upload the report folder")
+    assert (upload.given["name"], upload.given["path"]) == ("kit-reports-tests", "reports")

@@ -80,7 +80,8 @@ class Row:
             parts.append(f"runs-on {', '.join(self.runs_on)}")
         if self.source:
             parts.append(self.source)
-        return f"job {printable(self.name, 80)} ({', '.join(parts)})"
+        label = f"job {printable(self.name, 80)}" if self.name else "the session"
+        return f"{label} ({', '.join(parts)})"
 
 
 def tier_of(markexpr: str) -> str | None:
@@ -124,7 +125,7 @@ def session_row(session: Mapping[str, Any], name: str | None = None) -> Row:
     gpus = session.get("gpus")
     core = session.get("megatron_core")
     return Row(
-        name=name or str(session.get("ci_job") or "the report's session"),
+        name=name or str(session.get("ci_job") or ""),
         tier=tier_of(markexpr),
         selection=("-m", markexpr) if markexpr else (),
         env=env,
