@@ -706,7 +706,9 @@ def test_a_new_users_ci_session_runs_command_by_command_with_only_the_wheel(
     )
     assert repro.returncode != 0, "it still fails"
     out = repro.stdout
-    assert "kit repro: the session (tier -, the report's recorded session): 2 failed test(s)" in out, out[-3000:]
+    assert "kit repro: the session (tier -, the report's recorded session): 2 failed test(s)" in out, out[
+        -3000:
+    ]
     oom = next(line for line in out.splitlines() if line.startswith(f"{OOM}: CI: "))
     assert oom.startswith(f"{OOM}: CI: rank 1 oom at ") and " / here: rank 1 oom at " in oom, oom
     assert f"{LOSS}: CI: golden at " in out and f"{LOSS}: CI: golden" in out

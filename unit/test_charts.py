@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from megatron_testkit.charts import bars, memory_charts_markdown, mermaid, write_png
 from ci.jobs import ROOT
 from megatron_testkit import skips
+from megatron_testkit.charts import bars, memory_charts_markdown, mermaid, write_png
 
 pytestmark = pytest.mark.L0
 

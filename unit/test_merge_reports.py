@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from megatron_testkit import merge_nodes as merge_reports
 from ci.jobs import ROOT
+from megatron_testkit import merge_nodes as merge_reports
 
 pytestmark = pytest.mark.L0
 

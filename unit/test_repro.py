@@ -21,8 +21,9 @@ import pytest
 
 from ci import repro
 from ci.jobs import JOBS, ROOT, pytest_args
-from megatron_testkit.repro_limit import Kill, apply_memory_limit
+from megatron_testkit import skips
 from megatron_testkit.report_input import MAX_REPORT_BYTES
+from megatron_testkit.repro_limit import Kill, apply_memory_limit
 from megatron_testkit.verdicts import (
     ReportError,
     failed_tests,
@@ -33,7 +34,6 @@ from megatron_testkit.verdicts import (
     load_report,
     verdict,
 )
-from megatron_testkit import skips
 
 pytestmark = pytest.mark.L0
 

@@ -467,6 +467,14 @@ def test_one_row_per_megatron_core_release_newest_in_l0_oldest_in_l1() -> None:
     assert (MEGATRON_NEWEST, MEGATRON_OLDEST) == ("0.19.2", "0.16.1")
 
 
+def test_repro_runs_each_rows_pytest_arguments_as_the_row_declares_them() -> None:
+    """`python -m ci repro` is the kit's repro on ci/jobs.py's rows: the same arguments as the row's own."""
+    from ci import jobs
+
+    for row in JOBS.values():
+        assert pytest_args(row, "reports") == jobs.pytest_args(row, "reports"), row.name
+
+
 def test_ci_test_sh_passes_the_same_report_arguments_as_the_rows() -> None:
     """ci/test.sh hard-codes its report arguments; they must be the prefix `repro` uses too."""
     script = (ROOT / "ci" / "test.sh").read_text()
