@@ -345,7 +345,8 @@ def test_a_budget_below_a_known_idle_footprint_is_refused_before_spawning(scenar
     row = scenarios["rows"]["test_budget_below_a_known_footprint_is_refused_at_launch"]
     failure = _failure(scenarios, "test_budget_below_a_known_footprint_is_refused_at_launch")
     assert "below an idle rank's footprint" in failure["first_line"]
-    assert row["launches"] == 1  # the first launch ran; the refused one spawned nothing
+    # The first launch ran (and passed); the refused one spawned nothing (version 3: launch records).
+    assert len(row["launches"]) == 1 and row["launches"][0]["kind"] is None
 
 
 def test_a_rank_failure_shows_the_kit_message_not_the_launcher_source(scenarios: dict[str, Any]) -> None:

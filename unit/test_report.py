@@ -269,3 +269,77 @@ def test_a_golden_failure_is_the_tests_not_a_ranks() -> None:
     }
     table = format_table(build_report(session, [row]))
     assert "failed (golden)" in table and "rank None" not in table
+
+
+def test_docs_report_md_lists_every_field_of_the_schema_and_its_version() -> None:
+    """docs/report.md is the schema's reference: each dataclass's bullet names every one of its
+    fields, and the version it states is REPORT_VERSION (it described `launches` as Run objects
+    while the JSON held a count)."""
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    from megatron_testkit import schema
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "report.md").read_text()
+    section = text[text.index("## The JSON, field by field") :]
+    assert f"(`REPORT_VERSION`, now {schema.REPORT_VERSION};" in section
+    bullets = {
+        match.group(1): match.group(0)
+        for match in re.finditer(r"^- [^\n]*?\(`(\w+)`[^\n]*(?:\n  [^\n]*)*", section, flags=re.MULTILINE)
+    }
+    for cls in (schema.Session, schema.TestEntry, schema.RankPeak, schema.Failure, schema.Launch, schema.Run):
+        assert cls.__name__ in bullets, f"docs/report.md has no bullet for {cls.__name__}"
+        named = set(re.findall(r"`(\w+)`", bullets[cls.__name__]))
+        missing = [f.name for f in fields(cls) if f.name not in named]
+        assert not missing, f"docs/report.md's {cls.__name__} bullet lacks {missing}"
+
+
+def _failed_run(rank: int, kind: str, first_line: str, peaks: list[int | None]) -> dict:
+    failed = run(len(peaks), peaks)
+    failed["failure"] = {"rank": rank, "kind": kind, "first_line": first_line, "message": first_line}
+    return failed
+
+
+def test_a_launch_the_test_caught_keeps_its_verdict_and_reads_caught() -> None:
+    # A test that catches a RankFailure passed; before, its row had failure null and `launches: 1`,
+    # and the launch's verdict (rank 1 oom, its peak over the budget) was lost.
+    caught = _failed_run(1, "oom", "rank 1 oom: host RSS 900 MiB > budget 600 MiB", [100, 900 * 2**20])
+    rows = collect(
+        phase("t.py::catches", "call", runs=[run(2, [10, 20]), caught], budget_host_bytes=600 * 2**20)
+    )
+    report = report_of(rows)
+    first, second = report["tests"][0]["launches"]
+    assert (first["rank"], first["kind"], first["caught"]) == (None, None, False)
+    assert (second["rank"], second["kind"], second["caught"]) == (1, "oom", True)
+    assert second["first_line"].startswith("rank 1 oom: ") and second["peak_host_bytes"] == 900 * 2**20
+    assert report["tests"][0]["failure"] is None
+    (line,) = [ln for ln in format_table(report).splitlines() if ln.startswith("t.py::catches")]
+    assert line.rstrip().endswith("passed (1 launch failed: rank 1 oom, caught)")
+    assert "passed (1 launch failed: rank 1 oom, caught)" in format_markdown(report)
+
+
+def test_the_launch_a_test_failed_with_is_not_caught_but_the_tries_before_it_are() -> None:
+    tried = _failed_run(0, "hang", "rank 0 hang: no rank finished within 5 s", [10, 20])
+    fatal = _failed_run(1, "oom", "rank 1 oom: x", [10, 20])
+    failure = {"rank": 1, "kind": "oom", "first_line": "rank 1 oom: x", "message": "rank 1 oom: x"}
+    rows = collect(phase("t.py::retries", "call", "failed", runs=[tried, fatal], failure=failure))
+    report = report_of(rows)
+    assert [launch["caught"] for launch in report["tests"][0]["launches"]] == [True, False]
+    (line,) = [ln for ln in format_table(report).splitlines() if ln.startswith("t.py::retries")]
+    assert line.rstrip().endswith("failed (rank 1 oom; 1 launch failed: rank 0 hang, caught)")
+
+
+def test_a_version_2_report_with_a_launch_count_still_reads() -> None:
+    from megatron_testkit.schema import SchemaError, check_report
+
+    row = {"nodeid": "t.py::a", "outcome": "passed", "launches": 2}
+    old = check_report({"version": 2, "session": {}, "tests": [row]})
+    assert old.tests[0].launches == []  # a count holds no launch's verdict
+    with pytest.raises(SchemaError, match=r"tests\[0\]\.launches is not an integer"):
+        check_report({"version": 2, "session": {}, "tests": [{**row, "launches": "2"}]})
+    with pytest.raises(SchemaError, match=r"tests\[0\]\.launches is not a list"):
+        check_report({"version": 3, "session": {}, "tests": [row]})  # version 3 holds records
+    with pytest.raises(SchemaError, match=r"tests\[0\]\.launches\[0\]\.caught is not true or false"):
+        launch = {"world_size": 2, "backend": "gloo", "seed": 1, "caught": "yes"}
+        check_report({"version": 3, "session": {}, "tests": [{**row, "launches": [launch]}]})
