@@ -163,3 +163,26 @@ def test_the_steps_run_the_tests_write_the_summary_annotate_upload_and_print_the
     last = run.step("The command that reproduces this job")
     assert repro in last.output
     assert run.returncode == 1 and run.outputs == {"exit-code": "1", "artifact-name": "kit-reports-unit"}
+
+
+def test_the_documented_caller_workflows_pass_actionlint_and_the_schema(tmp_path: Path) -> None:
+    """docs/github-action.md's CPU and GPU callers, with the action at `./` (its published name is a
+    placeholder), in a repository of their own: what a user copies must lint clean."""
+    from unit.test_workflows import actionlint, validate
+
+    text = (ROOT / "docs" / "github-action.md").read_text()
+    blocks = [b.split("\n```", 1)[0] for b in text.split("```yaml\n")[1:]]
+    workflows = [b for b in blocks if b.startswith("name:")]
+    assert len(workflows) == 2, "a CPU and a GPU caller"
+    (tmp_path / ".git").mkdir()
+    shutil.copy(ACTION, tmp_path / "action.yml")
+    shutil.copytree(ROOT / ".github", tmp_path / ".github", ignore=shutil.ignore_patterns("workflows"))
+    folder = tmp_path / ".github" / "workflows"
+    folder.mkdir()
+    for i, workflow in enumerate(workflows):
+        assert "uses: <org>/<repo>@<ref>" in workflow
+        (folder / f"caller{i}.yml").write_text(workflow.replace("uses: <org>/<repo>@<ref>", "uses: ./"))
+    linted = actionlint(tmp_path)
+    assert linted.returncode == 0 and linted.stdout == "", linted.stdout + linted.stderr
+    checked = validate(*sorted(folder.glob("*.yml")))
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -101,6 +101,7 @@ def test_accounting_has_no_import_cycle() -> None:
     ("package", "edge"),
     [
         ("megatron_testkit", ("megatron_testkit.plugin", "megatron_testkit.skips")),
+        ("megatron_testkit", ("megatron_testkit.repro", "megatron_testkit.repro_rows")),
         ("ci", ("ci.gpu_check.check", "ci.gpu_check.bench")),
     ],
 )
@@ -109,6 +110,31 @@ def test_the_kit_and_the_ci_tooling_have_no_import_cycle(package: str, edge: tup
     graph = import_graph(root, package)
     assert edge[1] in graph[edge[0]]  # the graph really was read
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def _top_level_imports(root: Path) -> dict[str, set[str]]:
+    """File -> the top-level packages its import statements name (absolute imports only)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        names = found.setdefault(str(path.relative_to(root.parent)), set())
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("package", ["megatron_testkit", "accounting"])
+def test_what_ships_imports_nothing_of_this_repositorys_own_packages(package: str) -> None:
+    """A user's project has no `ci`, `fixtures`, `unit` or `functional`: the CI commands moved into
+    the kit, and nothing shipped may reach back into this repository's tooling."""
+    root = Path(__file__).resolve().parent.parent / package
+    found = _top_level_imports(root)
+    assert f"{package}/repro.py" in found or package == "accounting"  # the graph really was read
+    repo_only = {"ci", "fixtures", "unit", "functional", "conftest"}
+    reaching = {name: sorted(tops & repo_only) for name, tops in found.items() if tops & repo_only}
+    assert reaching == {}
 
 
 def test_a_cycle_closed_only_under_type_checking_is_found(tmp_path: Path) -> None:
