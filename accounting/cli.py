@@ -18,8 +18,10 @@ import torch
 
 from accounting.cli_input import int_list as _int_list
 from accounting.cli_models import UsageError as _UsageError
+from accounting.cli_models import in_range as _in_range
 from accounting.cli_models import model_arguments as _model_arguments
-from accounting.cli_models import model_from_args
+from accounting.cli_models import model_from_args, plural
+from accounting.cli_models import squares_fit as _squares_fit
 from accounting.flops import flops_from_sums, training_flops
 from accounting.memory_cli import add_memory_parser, memory_command
 from accounting.seqlens import SeqlenStats, pairs_beyond, seqlen_stats, validate_cu_seqlens
@@ -30,17 +32,6 @@ __all__ = ["main"]
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print the whole usage first
         raise _UsageError(message)
-
-
-INT64_MAX = 2**63 - 1
-
-
-def _in_range(flag: str, values: list[int], low: int) -> None:
-    """Every value within [low, 2**63 - 1], else a one-line usage error naming the first offender."""
-    for i, value in enumerate(values):
-        if not low <= value <= INT64_MAX:
-            where = f" (entry {i})" if len(values) > 1 else ""
-            raise _UsageError(f"{flag} {value}{where} is out of range: expected {low} <= value <= 2**63 - 1")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -56,14 +47,6 @@ def _build_parser() -> argparse.ArgumentParser:
     flops.add_argument("--json", action="store_true", help="print one JSON object")
     add_memory_parser(sub)
     return parser
-
-
-def _squares_fit(flag: str, total: int) -> None:
-    """The exact sums are int64; Σs² is bounded by the pack's token total squared, kept below 2**63."""
-    if total * total > INT64_MAX:
-        raise _UsageError(
-            f"{flag}: {total} tokens in one pack; {total}**2 >= 2**63 is past the exact int64 sums of s²"
-        )
 
 
 def _stats(args, window: tuple[int, int] | None) -> tuple[SeqlenStats, int, int]:
@@ -151,7 +134,9 @@ def _flops(args) -> int:
             )
         )
         return 0
-    print(f"{name}: {docs} documents, {int(stats.tokens)} real tokens in a pack of {pack_len}")
+    print(
+        f"{name}: {plural(docs, 'document')}, {plural(int(stats.tokens), 'real token')} in a pack of {pack_len}"
+    )
     if adapter is not None:
         print(f"frozen base, LoRA rank {adapter.rank} on {', '.join(adapter.targets)}")
     print(f"{'term':<24}{'model FLOPs':>16}{'hardware FLOPs':>18}")
