@@ -303,8 +303,8 @@ def test_deepseek_v3_without_an_mtp_key_has_no_mtp_layer_and_without_q_lora_rank
 
 
 def test_mistral_without_sliding_window_is_refused_because_its_class_means_4096():
-    config = {k: v for k, v in llama(model_type="mistral").items()}
-    with pytest.raises(ValueError, match="field 'sliding_window' is missing .*MistralConfig"):
+    config = llama(model_type="mistral")
+    with pytest.raises(ValueError, match=r"field 'sliding_window' is missing .*MistralConfig"):
         ModelShape.from_hf_config(config)
     mixtral = llama(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
     assert ModelShape.from_hf_config(mixtral).window_size is None  # MixtralConfig's default is null
