@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from accounting.flops import FlopsBreakdown, ModelShape, flops_from_sums
+from accounting.flops import TERMS, FlopsBreakdown, ModelShape, flops_from_sums
 from accounting.microbatch_staging import StagedMicrobatches
 from accounting.parallel_layout import (
     ParallelLayout,
@@ -148,6 +148,9 @@ class FlopsAccumulator:
         self.total_tokens = 0
         self.total_padded_tokens = 0
         self.steps = 0
+        # Model FLOPs by term since construction (for MFU by precision: only its deltas are read,
+        # so it is not part of the checkpointed state; anchor the meter at it after a resume).
+        self.total_terms = dict.fromkeys(TERMS, 0)
         self.last_breakdown: FlopsBreakdown | None = None
         self.last_stats: SeqlenStats | None = None
         self._staged = StagedMicrobatches()
@@ -388,6 +391,8 @@ class FlopsAccumulator:
             recompute=recompute if recompute is not None else self.recompute,
         )
         self.total_flops += breakdown.total
+        for name, value in breakdown.terms.items():
+            self.total_terms[name] += value
         self.hardware_total_flops += breakdown.hardware_total
         self.total_tokens += values["tokens"]
         self.total_padded_tokens += values["padded_tokens"]
