@@ -248,7 +248,8 @@ class FlopsAccumulator:
         if not self.packed:
             return self._dense
         if self._local is None:
-            host, device = self._host.total(), self._device.total(self.window)
+            host = self._host.total()
+            device = self._device.total(self.window) if len(self._device) else None
             if device is not None:
                 if host is not None:
                     device = device + to_device(torch.tensor(host, dtype=torch.int64), device.device)

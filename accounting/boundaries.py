@@ -30,17 +30,24 @@ def check_shape(cu: torch.Tensor, name: str) -> torch.Size:
     if type(cu) is not _TENSOR and not isinstance(cu, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
     dtype, shape = cu.dtype, cu.shape
-    integer = dtype is _INT32 or dtype is _INT64 or dtype in _INTEGER
-    if not integer and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
+    if (
+        dtype is not _INT32
+        and dtype is not _INT64
+        and dtype not in _INTEGER
+        and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    ):
         raise ValueError(f"{name} has dtype {dtype}: boundaries must be an integer tensor (int32 or int64)")
-    dims = len(shape)
-    if dims != 1 and dims != 2:
-        raise ValueError(
-            f"{name} has {dims} dimensions (shape {list(shape)}): expected [n+1] or [micro_batch, n+1]"
-        )
-    if shape[-1] < 1:
-        raise ValueError(f"{name} has shape {list(shape)}: each row needs at least the leading 0")
+    if not 0 < len(shape) < 3 or shape[-1] < 1:
+        raise ValueError(_shape_error(name, shape))
     return shape
+
+
+def _shape_error(name: str, shape: torch.Size) -> str:
+    if len(shape) not in (1, 2):
+        return (
+            f"{name} has {len(shape)} dimensions (shape {list(shape)}): expected [n+1] or [micro_batch, n+1]"
+        )
+    return f"{name} has shape {list(shape)}: each row needs at least the leading 0"
 
 
 def check_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> tuple[bool, int]:

@@ -109,13 +109,16 @@ class HostMicrobatches:
 
     def total(self) -> list[int] | None:
         """The step's summed vector as int64 sums hold it (None: no host microbatch)."""
-        parts = list(self._counted.values())
-        if self._rows:
-            summed = plain_step(self._rows) if self.window is None else None
-            parts += [summed] if summed is not None else self._rows_vectors()
-        if not parts:
-            return None
-        total = parts[0] if len(parts) == 1 else list(map(sum, zip(*parts, strict=True)))
+        summed = plain_step(self._rows) if self._rows and self.window is None else None
+        if summed is not None and not self._counted:
+            total = summed  # the common step: small packs only, one pass over them all
+        else:
+            parts = list(self._counted.values())
+            if self._rows:
+                parts += [summed] if summed is not None else self._rows_vectors()
+            if not parts:
+                return None
+            total = parts[0] if len(parts) == 1 else list(map(sum, zip(*parts, strict=True)))
         if min(total) < -(2**63) or max(total) >= 2**63:  # as int64 sums wrap
             total = [wrap_int64(v) for v in total]
         return total
