@@ -6,10 +6,12 @@ Usage per training step, on every rank:
     for each microbatch:  acc.add_microbatch(cu_seqlens=..., cu_seqlens_padded=..., seq_len=...)
     step_flops = acc.step(shape)                               # after the optimizer step
 
-Where the counting happens follows the boundaries: CPU tensors are counted on the host as they
-come (their own buffer, no torch kernel: `seqlen_host`); device tensors are only staged (an int64
-copy, at most two kernels per microbatch, no sync) and all of a step's microbatches are counted
-together at `resolve`/`step` with a fixed number of kernels (`microbatch_staging`).
+Where the counting happens follows the boundaries, decided once per microbatch
+(`boundaries.route`): CPU tensors go to the host's pending microbatches (their own buffer, no
+torch kernel: `seqlen_host.HostMicrobatches`); device tensors are only staged (an int64 copy, at
+most two kernels per microbatch, no sync) and all of a step's microbatches are counted together
+at `resolve`/`step` with a fixed number of kernels (`microbatch_staging.StagedMicrobatches`).
+One pending structure per kind; each knows its microbatches by index, for the step's error.
 
 Counting in the data loader: the pack is made on the host, so its statistics can be made there
 too, in the collate function, and the training step does no device work for FLOPs at all:
@@ -37,7 +39,8 @@ from typing import Any
 
 import torch
 
-from accounting.flops import FlopsBreakdown, ModelShape, flops_from_sums
+from accounting.boundaries import route
+from accounting.flops import TERMS, FlopsBreakdown, ModelShape, flops_from_sums
 from accounting.microbatch_staging import StagedMicrobatches
 from accounting.parallel_layout import (
     ParallelLayout,
@@ -45,15 +48,12 @@ from accounting.parallel_layout import (
     accumulator_from_process_groups,
     check_dp_group,
 )
-from accounting.seqlen_fields import FIELDS, MALFORMED, MALFORMED_AT, wrap_int64
-from accounting.seqlen_host import LOOP_LIMIT, buffer_values, host_values, list_values, plain_step
+from accounting.seqlen_fields import MALFORMED, MALFORMED_AT
+from accounting.seqlen_host import HostMicrobatches
 from accounting.seqlens import (
     SeqlenStats,
-    check_boundaries,
-    check_pack_len,
     describe_malformed,
     normalize_window,
-    on_host,
     to_device,
     validate_cu_seqlens,
 )
@@ -62,12 +62,6 @@ __all__ = ["FlopsAccumulator"]
 
 _COUNTERS = ("total_flops", "hardware_total_flops", "total_tokens", "total_padded_tokens", "steps")
 _COUNT_ON = ("auto", "device")
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-# The common host case, checked in a few attribute reads: integer boundaries whose metadata alone
-# cannot be wrong, and a pack length whose total over at most LOOP_LIMIT rows stays under 2**63.
-_QUICK_DTYPES = frozenset({torch.int32, torch.int64})
-_TENSOR = torch.Tensor
-_QUICK_PACK_LEN = 2**56
 
 
 def _dist_ready() -> bool:
@@ -141,28 +135,26 @@ class FlopsAccumulator:
         self.device = torch.device(device) if device is not None else None
         self.validate = validate
         self.count_on = count_on
-        self._host_path = count_on == "auto"
-        self._quick = packed and self._host_path  # then CPU boundaries may take add_microbatch's first branch
         self.total_flops = 0
         self.hardware_total_flops = 0
         self.total_tokens = 0
         self.total_padded_tokens = 0
         self.steps = 0
+        # Model FLOPs by term since construction (for MFU by precision: only its deltas are read,
+        # so it is not part of the checkpointed state; anchor the meter at it after a resume).
+        self.total_terms = dict.fromkeys(TERMS, 0)
         self.last_breakdown: FlopsBreakdown | None = None
         self.last_stats: SeqlenStats | None = None
-        self._staged = StagedMicrobatches()
+        # One pending structure per kind: the host's (exact ints) and the device's (staged tensors).
+        self._host = HostMicrobatches(self.window)
+        self._device = StagedMicrobatches()
+        self._host_or_none = self._host if count_on == "auto" else None  # count_on="device": all staged
         self._reset_microbatches()
 
     def _reset_microbatches(self) -> None:
-        self._host: list[list[int]] = []  # per host-counted microbatch, its statistics as ints
-        # per small host pack: its rows as lists (read at add_microbatch) and its pack length
-        self._rows: list[tuple[list[list[int]], int | None]] = []
-        self._device_stats: list[torch.Tensor] = []  # per `stats=` microbatch held on a device, its vector
-        # Where each microbatch's vector is (which list, which index), by microbatch index; the
-        # microbatches not named here are the `_rows` ones, in order.
-        self._sources: dict[int, tuple[str, int]] = {}
-        self._staged.clear()
-        self._local: tuple[SeqlenStats, torch.Tensor | None] | None = None
+        self._host.clear()
+        self._device.clear()
+        self._local: SeqlenStats | None = None
         self._dense = SeqlenStats.zeros(window_size=self.window)
         self.num_microbatches = 0
 
@@ -184,62 +176,32 @@ class FlopsAccumulator:
         when given (the configured, un-CP-sliced length), else `tokens.shape[-1]`. Dense: the
         batch is `micro_batch_size` (else `tokens.shape[0]`) x `seq_len` (else `tokens.shape[1]`).
         """
-        if (
-            type(cu_seqlens) is _TENSOR
-            and self._quick
-            and cu_seqlens_padded is None
-            and stats is None
-            and tokens is None
-            and vp_stage is None
-            and self.layout is None
-            and not self.validate
-            and (seq_len is None or (type(seq_len) is int and 0 <= seq_len < _QUICK_PACK_LEN))
-            and cu_seqlens.is_cpu
-            and cu_seqlens.dtype in _QUICK_DTYPES
-            and (size := cu_seqlens.numel()) > 0
-            and 0 < (dims := cu_seqlens.dim()) < 3
-        ):  # the common host case in a few reads (`_add_packed` checks the rest): no function layer
-            if size <= LOOP_LIMIT:  # its rows as lists, counted with the step's others at resolve
-                self._rows.append((cu_seqlens.tolist() if dims == 2 else [cu_seqlens.tolist()], seq_len))
-            else:
-                self._sources[self.num_microbatches] = ("host", len(self._host))
-                self._host.append(buffer_values(cu_seqlens, window=self.window, pack_len=seq_len))
-            self._local = None
-            self.num_microbatches += 1
-            return
         if self.layout is not None:
             seq_len = self.layout.length_to_count(tokens, seq_len, vp_stage)
-        if vp_stage not in (None, 0):
-            return
+        if vp_stage is not None and _count("vp_stage", vp_stage):
+            return  # a later model chunk's report of a microbatch its first chunk counted
         if not self.packed:
-            if stats is not None:
-                raise ValueError(
-                    "add_microbatch: stats= is for a packed FlopsAccumulator (dense counts shapes)"
-                )
-            self._add_dense(tokens, seq_len, micro_batch_size)
+            self._add_dense(cu_seqlens, cu_seqlens_padded, stats, tokens, seq_len, micro_batch_size)
         elif stats is not None:
             self._add_stats(stats, cu_seqlens, cu_seqlens_padded)
         else:
-            self._add_packed(cu_seqlens, cu_seqlens_padded, tokens, seq_len)
+            if cu_seqlens is None:
+                raise ValueError(
+                    "add_microbatch: a packed FlopsAccumulator needs cu_seqlens on every microbatch"
+                )
+            pack_len = seq_len if seq_len is not None else (tokens.shape[-1] if tokens is not None else None)
+            if self.validate:  # debug mode: the exact, syncing check names the index at once
+                validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, pack_len=pack_len)
+            route(
+                self.num_microbatches,
+                cu_seqlens,
+                cu_seqlens_padded,
+                pack_len,
+                self._host_or_none,
+                self._device,
+            )
         self._local = None
         self.num_microbatches += 1
-
-    def _add_packed(self, cu_seqlens, cu_seqlens_padded, tokens, seq_len) -> None:
-        if cu_seqlens is None:
-            raise ValueError("add_microbatch: a packed FlopsAccumulator needs cu_seqlens on every microbatch")
-        pack_len = seq_len if seq_len is not None else (tokens.shape[-1] if tokens is not None else None)
-        if self.validate:
-            validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, pack_len=pack_len)
-        two_d, rows = check_boundaries(cu_seqlens, cu_seqlens_padded)
-        check_pack_len(pack_len, rows)
-        if self._host_path and on_host(cu_seqlens, cu_seqlens_padded):
-            values = host_values(cu_seqlens, cu_seqlens_padded, two_d, window=self.window, pack_len=pack_len)
-            self._sources[self.num_microbatches] = ("host", len(self._host))
-            self._host.append(values)
-            return
-        width = cu_seqlens.shape[-1]
-        self._sources[self.num_microbatches] = ("staged", len(self._staged))
-        self._staged.add(cu_seqlens, cu_seqlens_padded, rows, width, pack_len)
 
     def _add_stats(self, stats: SeqlenStats, cu_seqlens, cu_seqlens_padded) -> None:
         if cu_seqlens is not None or cu_seqlens_padded is not None:
@@ -257,13 +219,18 @@ class FlopsAccumulator:
             )
         held = stats.held_ints()
         if held is not None:
-            self._sources[self.num_microbatches] = ("host", len(self._host))
-            self._host.append(list(held))
+            self._host.add_values(self.num_microbatches, held)
         else:
-            self._sources[self.num_microbatches] = ("device", len(self._device_stats))
-            self._device_stats.append(stats.to_vector())
+            self._device.add_vector(self.num_microbatches, stats.to_vector())
 
-    def _add_dense(self, tokens, seq_len, micro_batch_size) -> None:
+    def _add_dense(self, cu_seqlens, cu_seqlens_padded, stats, tokens, seq_len, micro_batch_size) -> None:
+        if stats is not None:
+            raise ValueError("add_microbatch: stats= is for a packed FlopsAccumulator (dense counts shapes)")
+        if cu_seqlens is not None or cu_seqlens_padded is not None:
+            raise ValueError(
+                "add_microbatch: cu_seqlens= is for a packed FlopsAccumulator (packed=True); a dense one "
+                "counts micro_batch_size x seq_len and would ignore the boundaries"
+            )
         if micro_batch_size is None:
             if tokens is None:
                 raise ValueError("add_microbatch: a dense FlopsAccumulator needs micro_batch_size or tokens")
@@ -280,36 +247,19 @@ class FlopsAccumulator:
         """This rank's statistics of the current step so far (no collective; kernels only for staged ones)."""
         if not self.packed:
             return self._dense
-        return self._local_totals()[0]
-
-    def _local_totals(self) -> tuple[SeqlenStats, torch.Tensor | None]:
-        """(this rank's statistics, the staged microbatches' vectors `[k, fields]` or None), cached."""
-        if self._local is not None:
-            return self._local
-        host = None
-        if self._host or self._rows:
-            parts = self._host + self._rows_values(totals=True)
-            host = parts[0] if len(parts) == 1 else list(map(sum, zip(*parts, strict=True)))
-            if min(host) < _INT64_MIN or max(host) > _INT64_MAX:  # as int64 sums wrap
-                host = [wrap_int64(v) for v in host]
-        device_parts, per_staged = [], None
-        if len(self._staged):
-            per_staged, staged_total = self._staged.totals(self.window)
-            device_parts.append(staged_total)
-        if self._device_stats:
-            device_parts.append(torch.stack(self._device_stats).sum(0))
-        if not device_parts:
-            values = host if host is not None else [0] * len(FIELDS)
-            if host is None and self.device is not None:
-                local = SeqlenStats.zeros(window_size=self.window, device=self.device)
+        if self._local is None:
+            host = self._host.total()
+            device = self._device.total(self.window) if len(self._device) else None
+            if device is not None:
+                if host is not None:
+                    device = device + to_device(torch.tensor(host, dtype=torch.int64), device.device)
+                self._local = SeqlenStats.from_vector(device, window=self.window)
+            elif host is None and self.device is not None:
+                self._local = SeqlenStats.zeros(window_size=self.window, device=self.device)
             else:
-                local = SeqlenStats._from_ints(values, self.window)
-        else:
-            total = device_parts[0] if len(device_parts) == 1 else device_parts[0] + device_parts[1]
-            if host is not None:
-                total = total + to_device(torch.tensor(host, dtype=torch.int64), total.device)
-            local = SeqlenStats.from_vector(total, window=self.window)
-        self._local = (local, per_staged)
+                self._local = SeqlenStats._from_ints(
+                    host or [0] * len(SeqlenStats.field_names()), self.window
+                )
         return self._local
 
     def resolve(self, dp_group: Any = None, dp_size: int | None = None) -> SeqlenStats:
@@ -376,6 +326,12 @@ class FlopsAccumulator:
         malformed boundaries; the step is then discarded (nothing added, state reset).
         """
         stats = self.resolve(dp_group=dp_group, dp_size=dp_size)
+        if stats.held_ints() is None and stats.tokens.is_meta:
+            self._reset_microbatches()
+            raise ValueError(
+                "FlopsAccumulator.step: the microbatches' boundaries are meta tensors, which hold no values "
+                "to count; resolve() and local_stats() run on them (for tracing), step() needs real ones"
+            )
         values = stats.to_dict()
         if values["malformed_rows"]:
             message = self._malformed_message(values)
@@ -388,6 +344,8 @@ class FlopsAccumulator:
             recompute=recompute if recompute is not None else self.recompute,
         )
         self.total_flops += breakdown.total
+        for name, value in breakdown.terms.items():
+            self.total_terms[name] += value
         self.hardware_total_flops += breakdown.hardware_total
         self.total_tokens += values["tokens"]
         self.total_padded_tokens += values["padded_tokens"]
@@ -397,28 +355,10 @@ class FlopsAccumulator:
         self._reset_microbatches()
         return breakdown.total
 
-    def _rows_values(self, *, totals: bool = False) -> list[list[int]]:
-        """The vectors of the packs held as rows: their sum in one pass when `totals` and they allow it."""
-        if not self._rows:
-            return []
-        summed = plain_step(self._rows) if totals and self.window is None else None
-        if summed is not None:
-            return [summed]
-        return [list_values(rows, None, self.window, pack_len) for rows, pack_len in self._rows]
-
     def _per_microbatch(self) -> list[list[int]]:
         """This rank's vector of each counted microbatch, in order (reads the device ones: one sync)."""
-        staged = self._local_totals()[1]
-        read = {
-            "host": self._host,
-            "staged": staged.tolist() if staged is not None else [],
-            "device": torch.stack(self._device_stats).tolist() if self._device_stats else [],
-        }
-        rows = iter(self._rows_values())
-        return [
-            read[found[0]][found[1]] if (found := self._sources.get(index)) else next(rows)
-            for index in range(self.num_microbatches)
-        ]
+        vectors = {**self._host.per_microbatch(), **self._device.per_microbatch(self.window)}
+        return [vectors[index] for index in range(self.num_microbatches)]
 
     def _malformed_message(self, values: dict[str, int]) -> str:
         """Which of this rank's microbatches were malformed and how (reads their counters: one sync)."""
@@ -444,13 +384,26 @@ class FlopsAccumulator:
         return {name: getattr(self, name) for name in _COUNTERS}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the counters; accepts ints or integer-valued 0-d int64 tensors, rejects floats."""
+        """Restores the counters; accepts ints or integer-valued 0-d int64 tensors, rejects floats.
+
+        A counter left out is 0 (a checkpoint of an older release); every one given must be an
+        int >= 0. Nothing is restored unless every counter is valid.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(f"state_dict must be a dict of counters, got {type(state).__name__}")
+        restored = {}
         for name in _COUNTERS:
             value = state.get(name, 0)
             if isinstance(value, torch.Tensor):
-                if value.dtype.is_floating_point or value.numel() != 1:
+                if value.dtype.is_floating_point or value.numel() != 1 or value.is_meta:
                     raise ValueError(f"state_dict[{name!r}] must be an int, got a {value.dtype} tensor")
                 value = int(value)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"state_dict[{name!r}] = {value!r} must be an int (floats lose precision)")
+            if value < 0:
+                raise ValueError(
+                    f"state_dict[{name!r}] = {value} must be >= 0: a counter never goes below zero"
+                )
+            restored[name] = value
+        for name, value in restored.items():
             setattr(self, name, value)

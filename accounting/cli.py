@@ -18,11 +18,15 @@ import torch
 
 from accounting.cli_input import int_list as _int_list
 from accounting.cli_models import UsageError as _UsageError
+from accounting.cli_models import in_range as _in_range
 from accounting.cli_models import model_arguments as _model_arguments
-from accounting.cli_models import model_from_args
+from accounting.cli_models import model_from_args, plural
+from accounting.cli_models import squares_fit as _squares_fit
 from accounting.flops import flops_from_sums, training_flops
 from accounting.memory_cli import add_memory_parser, memory_command
+from accounting.precisions import parse_precision, time_at_peak
 from accounting.seqlens import SeqlenStats, pairs_beyond, seqlen_stats, validate_cu_seqlens
+from accounting.throughput import lookup_peak
 
 __all__ = ["main"]
 
@@ -30,17 +34,6 @@ __all__ = ["main"]
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print the whole usage first
         raise _UsageError(message)
-
-
-INT64_MAX = 2**63 - 1
-
-
-def _in_range(flag: str, values: list[int], low: int) -> None:
-    """Every value within [low, 2**63 - 1], else a one-line usage error naming the first offender."""
-    for i, value in enumerate(values):
-        if not low <= value <= INT64_MAX:
-            where = f" (entry {i})" if len(values) > 1 else ""
-            raise _UsageError(f"{flag} {value}{where} is out of range: expected {low} <= value <= 2**63 - 1")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -53,17 +46,17 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--cu-seqlens", type=_int_list, help="cumulative boundaries, e.g. 0,4096,6144")
     flops.add_argument("--seq-len", type=int, help="pack length (default: the documents' total)")
     flops.add_argument("--recompute", choices=("full", "selective"), help="count the recompute forward")
+    flops.add_argument(
+        "--device", help="a device name (as torch.cuda.get_device_name() gives it): the time at its peaks"
+    )
+    flops.add_argument(
+        "--precision",
+        help="each term's precision: a TE recipe (tensorwise, delayed, mxfp8, blockwise), one precision, "
+        "or GROUP=PRECISION pairs (groups: linear, attention, logits, router), e.g. linear=fp8",
+    )
     flops.add_argument("--json", action="store_true", help="print one JSON object")
     add_memory_parser(sub)
     return parser
-
-
-def _squares_fit(flag: str, total: int) -> None:
-    """The exact sums are int64; Σs² is bounded by the pack's token total squared, kept below 2**63."""
-    if total * total > INT64_MAX:
-        raise _UsageError(
-            f"{flag}: {total} tokens in one pack; {total}**2 >= 2**63 is past the exact int64 sums of s²"
-        )
 
 
 def _stats(args, window: tuple[int, int] | None) -> tuple[SeqlenStats, int, int]:
@@ -119,6 +112,19 @@ def _dense_pack_flops(shape, pack_len: int, frozen: bool, adapter) -> int:
     return flops_from_sums(shape, sums, window=window, frozen_base=frozen, adapter=adapter).total
 
 
+def _at_peak(args, terms: dict[str, int]) -> dict | None:
+    """`time_at_peak` of `--device` and `--precision` (None without `--device`); bad names exit 2."""
+    if args.device is None:
+        if args.precision is not None:
+            raise _UsageError("--precision needs --device (the peak of each precision is the device's)")
+        return None
+    try:
+        spec = None if args.precision is None else parse_precision(args.precision)
+        return time_at_peak(terms, spec, "bf16", lambda precision: lookup_peak(args.device, precision))
+    except ValueError as err:
+        raise _UsageError(str(err)) from None
+
+
 def _flops(args) -> int:
     shape, adapter, name = model_from_args(args)
     stats, pack_len, docs = _stats(args, shape.stats_window)
@@ -126,6 +132,7 @@ def _flops(args) -> int:
     result = training_flops(shape, stats, recompute=args.recompute, frozen_base=frozen, adapter=adapter)
     dense = _dense_pack_flops(shape, pack_len, frozen, adapter)
     over = dense / result.total - 1 if result.total else 0.0
+    at_peak = _at_peak(args, result.terms)
     if args.json:
         print(
             json.dumps(
@@ -147,11 +154,14 @@ def _flops(args) -> int:
                     "hardware_terms": result.hardware_terms,
                     "dense_pack_flops": dense,
                     "dense_pack_over_report": over,
+                    **({} if at_peak is None else {"device": args.device, "at_peak": at_peak}),
                 }
             )
         )
         return 0
-    print(f"{name}: {docs} documents, {int(stats.tokens)} real tokens in a pack of {pack_len}")
+    print(
+        f"{name}: {plural(docs, 'document')}, {plural(int(stats.tokens), 'real token')} in a pack of {pack_len}"
+    )
     if adapter is not None:
         print(f"frozen base, LoRA rank {adapter.rank} on {', '.join(adapter.targets)}")
     print(f"{'term':<24}{'model FLOPs':>16}{'hardware FLOPs':>18}")
@@ -165,6 +175,18 @@ def _flops(args) -> int:
     per_token = f"{result.total / int(stats.tokens):.4e}" if int(stats.tokens) else "n/a"
     print(f"model FLOPs per token: {per_token}")
     print(f"pack_len^2 count: {dense:.4e} (over-reports model FLOPs by {over:+.2%})")
+    if at_peak is not None:
+        by = at_peak["seconds_at_peak"]
+        single = at_peak["seconds_at_single_peak"]
+        print(
+            f"at {args.device}'s peaks: "
+            + (
+                f"{by:.4e} s by precision"
+                if by is not None
+                else f"no time by precision ({at_peak['seconds_at_peak_unavailable']})"
+            )
+            + (f", {single:.4e} s at the single bf16 peak" if single is not None else "")
+        )
     return 0
 
 

@@ -1,7 +1,8 @@
-"""What both `python -m accounting` subcommands share: the model options and the usage error.
+"""What both `python -m accounting` subcommands share: the model options, the bounds, the usage error.
 
 Its own module so that `cli` (flops) and `memory_cli` (memory) both import it and neither imports
-the other.
+the other. Both take their numbers within the same bounds: an int64 (every sum is exact in one),
+and a sequence whose length squared stays below 2**63 (the exact int64 sums of s^2).
 """
 
 from __future__ import annotations
@@ -12,9 +13,32 @@ from accounting.adapters import LoraAdapter
 from accounting.flops import ModelShape
 from accounting.presets import PRESETS, preset, preset_adapter
 
+INT64_MAX = 2**63 - 1
+
 
 class UsageError(Exception):
     """A bad argument: reported in one line, exit code 2."""
+
+
+def plural(count: int, noun: str) -> str:
+    """`1 document`, `2 documents`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def in_range(flag: str, values: list[int], low: int) -> None:
+    """Every value within [low, 2**63 - 1], else a one-line usage error naming the first offender."""
+    for i, value in enumerate(values):
+        if not low <= value <= INT64_MAX:
+            where = f" (entry {i})" if len(values) > 1 else ""
+            raise UsageError(f"{flag} {value}{where} is out of range: expected {low} <= value <= 2**63 - 1")
+
+
+def squares_fit(flag: str, total: int) -> None:
+    """The exact sums are int64; Σs² is bounded by the pack's token total squared, kept below 2**63."""
+    if total * total > INT64_MAX:
+        raise UsageError(
+            f"{flag}: {total} tokens in one pack; {total}**2 >= 2**63 is past the exact int64 sums of s²"
+        )
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,11 +7,14 @@ hybrid with gated attention) and gemma2 / gemma3_text (sliding-window layers).
 
 Every field of the file is accounted for: read into the shape, known not to change the FLOPs
 (norm epsilons, RoPE settings, token ids, dropout, routing heuristics, dtypes...), or refused
-with a ValueError naming it. Fields that change the FLOPs are required; the only rules applied
-when a field is absent are the modelling code's own derivations (`head_dim` missing or null is
-hidden_size / num_attention_heads). `vocab_size` is taken as the embedding's row count (the
-published vocabularies are already padded). An HF `sliding_window` of W lets a query see W keys,
-itself included (transformers' mask: `kv_idx > q_idx - W`), i.e. `window_size = (W - 1, 0)`.
+with a ValueError naming it. An absent field is read as the model type's transformers config
+class reads it (`accounting.hf_derived`): a *derived* field takes the value the class derives
+(`num_key_value_heads` = `num_attention_heads` for Llama, `head_dim` = hidden_size /
+num_attention_heads, no MTP key = no MTP layer); a *structural* one (the sizes: layers, widths,
+heads, vocabulary, experts, and the constants a class holds for them) is refused, naming it.
+`vocab_size` is taken as the embedding's row count (the published vocabularies are already
+padded). An HF `sliding_window` of W lets a query see W keys, itself included (transformers'
+mask: `kv_idx > q_idx - W`), i.e. `window_size = (W - 1, 0)`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from accounting.hf_derived import DERIVED, tied_default
 from accounting.json_input import load_json
 
 __all__ = [
@@ -74,10 +78,11 @@ _NEUTRAL_BY_TYPE["mixtral"] = {"sliding_window"}
 
 
 class _Fields:
-    """The config's fields, with a record of which ones were read."""
+    """The config's fields, with a record of which ones were read and its type's derived keys."""
 
     def __init__(self, config: Mapping[str, Any], source: str) -> None:
         self.config, self.source, self.read = config, source, set()
+        self.derived = DERIVED[config["model_type"]]
 
     def error(self, message: str) -> ValueError:
         return ValueError(f"hf config {self.source}: {message}")
@@ -86,26 +91,35 @@ class _Fields:
         self.read.add(name)
         return self.config.get(name, default)
 
-    def int(self, name: str, *, minimum: int = 1) -> int:
-        """A required int field (no default: it changes the FLOPs)."""
+    def missing(self, name: str) -> ValueError:
+        return self.error(
+            f"field {name!r} is missing (it changes the FLOPs, and {self.derived.config_class} does not "
+            "derive it from the other fields: a file without it is truncated or misspelt)"
+        )
+
+    def derives(self, name: str) -> bool:
+        """Whether `name` is absent (or null) where its config class derives it."""
+        rule = self.derived.keys.get(name)
+        if rule is None:
+            return False
         if name not in self.config:
-            raise self.error(f"field {name!r} is missing (it changes the FLOPs; no default is assumed)")
+            return rule.absent
+        return self.config[name] is None and rule.null
+
+    def int(self, name: str, *, minimum: int = 1) -> int:
+        """An int field: given, or derived as its config class derives it; else refused, naming it."""
+        if self.derives(name):
+            self.read.add(name)
+            try:
+                return self.derived.keys[name].value(lambda other: self.int(other), self.config)
+            except ValueError as err:
+                raise self.error(str(err)) from None
+        if name not in self.config:
+            raise self.missing(name)
         value = self.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise self.error(f"field {name} = {value!r} must be an int >= {minimum}")
         return value
-
-    def head_dim(self, heads: int) -> int:
-        """`head_dim`, or hidden_size / heads where it is missing or null (the modelling code's rule)."""
-        if self.config.get("head_dim") is not None:
-            return self.int("head_dim")
-        self.read.add("head_dim")
-        hidden = self.int("hidden_size")
-        if hidden % heads:
-            raise self.error(
-                f"head_dim is not given and hidden_size {hidden} is not divisible by {heads} heads"
-            )
-        return hidden // heads
 
     def unread(self, neutral: set[str]) -> None:
         """Refuses the first field neither read nor known to leave the FLOPs unchanged."""
@@ -120,12 +134,12 @@ class _Fields:
 def _attention(f: _Fields) -> dict[str, Any]:
     """Layers, widths, grouped-query attention and vocabulary common to every supported type."""
     heads = f.int("num_attention_heads")
-    return {
+    return {  # in this order: a missing structural field is named before a derived one fails
         "num_layers": f.int("num_hidden_layers"),
         "hidden_size": f.int("hidden_size"),
         "num_attention_heads": heads,
         "num_query_groups": f.int("num_key_value_heads"),
-        "kv_channels": f.head_dim(heads),
+        "kv_channels": f.int("head_dim"),
         "vocab_size": f.int("vocab_size"),
     }
 
@@ -168,6 +182,8 @@ def _sliding(f: _Fields, kwargs: dict[str, Any]) -> None:
     """Mistral's window on every layer; Qwen's on the layers from `max_window_layers` on."""
     layers, kind = kwargs["num_layers"], f.config["model_type"]
     if kind in ("mistral", "mixtral"):
+        if "sliding_window" not in f.config and not f.derives("sliding_window"):
+            raise f.missing("sliding_window")  # MistralConfig's 4096 is a constant: null is no window
         on = f.config.get("sliding_window") is not None
         _window(f, kwargs, (int(on),) * layers)
     elif kind.startswith("qwen") and f.get("use_sliding_window"):
@@ -239,7 +255,8 @@ def _deepseek_v3(f: _Fields) -> dict[str, Any]:
         "moe_layer_freq": tuple(int(i >= dense) for i in range(layers)),
         "mtp_num_layers": f.int("num_nextn_predict_layers", minimum=0),
         "multi_latent_attention": True,
-        "q_lora_rank": None if f.get("q_lora_rank") is None else f.int("q_lora_rank"),
+        # null: a direct query projection; absent: refused (DeepseekV3Config's 1536 is a constant).
+        "q_lora_rank": None if f.get("q_lora_rank", 0) is None else f.int("q_lora_rank"),
         "kv_lora_rank": f.int("kv_lora_rank"),
         "qk_head_dim": nope,
         "qk_pos_emb_head_dim": rope,
@@ -385,11 +402,13 @@ def shape_kwargs_from_hf(config: Mapping[str, Any], source: str = "(dict)") -> d
 
 
 def tied_embeddings(config: Mapping[str, Any]) -> bool:
-    """Whether the output layer shares the embedding's weight (`tie_word_embeddings`, HF's default True).
+    """Whether the output layer shares the embedding's weight (`tie_word_embeddings`; when absent,
+    the model type's config class default: False for Llama, True for Gemma, see `hf_derived`).
 
     It changes the parameter count, never the FLOPs (the output GEMM runs either way).
     """
-    return bool(config.get("tie_word_embeddings", True))
+    value = config.get("tie_word_embeddings")
+    return tied_default(str(config.get("model_type"))) if value is None else bool(value)
 
 
 # Training choices a config.json does not hold, which a model type needs from the caller.

@@ -1,5 +1,9 @@
 """A step's packed microbatches on a device: staged as they come, counted together at resolve.
 
+`StagedMicrobatches` is the accumulator's one structure for them: boundaries staged by `add`,
+and statistics vectors made on the device elsewhere (`add_vector`, from a data loader), both
+by microbatch index; `totals` gives each one's vector and their sum, without a read.
+
 `add` copies a microbatch's boundaries to int64 (one kernel, two with padded boundaries): no sync,
 no host read, and a caller that reuses its buffer cannot change what was staged. `totals` then
 counts every staged microbatch with one fixed set of kernels (`seqlen_kernels.row_columns`): one
@@ -28,38 +32,80 @@ class StagedMicrobatches:
 
     def __init__(self) -> None:
         self._items: list[tuple[torch.Tensor, torch.Tensor | None, int, int, int | None]] = []
+        self._items_at: list[int] = []  # the staged boundaries' microbatch indices
+        self._vectors: list[torch.Tensor] = []  # statistics vectors held on the device
+        self._vectors_at: list[int] = []
         self._plan_key: tuple | None = None
         self._plan: tuple[torch.Tensor, ...] | None = None
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + len(self._vectors)
 
     @property
     def device(self) -> torch.device | None:
-        return self._items[0][0].device if self._items else None
+        if self._items:
+            return self._items[0][0].device
+        return self._vectors[0].device if self._vectors else None
 
     def clear(self) -> None:
         """Forgets the microbatches; keeps the gather index for the next step of the same layout."""
-        self._items = []
+        self._items, self._items_at, self._vectors, self._vectors_at = [], [], [], []
+
+    def _same_device(self, what: str, device: torch.device) -> None:
+        held = self.device
+        if held is not None and device != held:
+            raise ValueError(f"add_microbatch: {what} on {device} but this step's microbatches are on {held}")
 
     def add(
-        self, cu: torch.Tensor, padded: torch.Tensor | None, rows: int, width: int, pack_len: int | None
+        self,
+        index: int,
+        cu: torch.Tensor,
+        padded: torch.Tensor | None,
+        rows: int,
+        width: int,
+        pack_len: int | None,
     ) -> None:
-        """Stages one microbatch's checked boundaries: an int64 copy of each, nothing else."""
-        device = self.device
-        if device is not None and cu.device != device:
-            raise ValueError(
-                f"add_microbatch: cu_seqlens on {cu.device} but this step's microbatches are on {device}"
-            )
+        """Stages microbatch `index`'s checked boundaries: an int64 copy of each, nothing else."""
+        self._same_device("cu_seqlens", cu.device)
         real = cu.to(dtype=torch.int64, memory_format=torch.contiguous_format, copy=True)
         if padded is not None:
             padded = padded.to(
                 device=cu.device, dtype=torch.int64, memory_format=torch.contiguous_format, copy=True
             )
         self._items.append((real, padded, rows, width, pack_len))
+        self._items_at.append(index)
 
-    def totals(self, window: Window | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`([microbatches, fields], [fields])` int64 on the device: each microbatch's vector, and their sum."""
+    def add_vector(self, index: int, vector: torch.Tensor) -> None:
+        """Microbatch `index` as a statistics vector already on the device (no copy, no read)."""
+        self._same_device("stats", vector.device)
+        self._vectors.append(vector)
+        self._vectors_at.append(index)
+
+    def total(self, window: Window | None) -> torch.Tensor | None:
+        """The step's `[fields]` int64 sum on the device, without a read (None: nothing held)."""
+        sums = []
+        if self._items:
+            sums.append(self._staged_totals(window)[1])
+        if self._vectors:
+            sums.append(torch.stack(self._vectors).sum(0))
+        if not sums:
+            return None
+        return sums[0] if len(sums) == 1 else sums[0] + sums[1]
+
+    def per_microbatch(self, window: Window | None) -> dict[int, list[int]]:
+        """Each microbatch's own vector, by index (reads them back: one sync, for error messages)."""
+        vectors = []
+        if self._items:
+            vectors.append(self._staged_totals(window)[0])
+        if self._vectors:
+            vectors.append(torch.stack(self._vectors).to(self.device))
+        if not vectors:
+            return {}
+        read = torch.cat(vectors).tolist()
+        return dict(zip(self._items_at + self._vectors_at, read, strict=True))
+
+    def _staged_totals(self, window: Window | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`([microbatches, fields], [fields])` of the staged boundaries: each one's vector, and their sum."""
         src, limit, pack_tokens, zero = self._layout()
         flat = [zero] + [real.view(-1) for real, *_ in self._items]
         flat += [padded.view(-1) for _, padded, *_ in self._items if padded is not None]

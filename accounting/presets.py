@@ -6,8 +6,9 @@ presets reproduce them to 3 significant figures (an independent oracle, see unit
 Megatron-Bridge does not count the MoE router, so the comparison leaves the `moe_router` term out).
 
 Each preset but gpt3-175b (GPT-3 has no published config.json) equals `ModelShape.from_hf_config`
-of its model's published config.json (copies in unit/data/hf_configs/, unit/test_hf_config.py);
-none differs from its config on purpose. DeepSeek-V3.2's indexer training (its KL loss over the
+of its model's published config.json (copies in unit/data/hf_configs/, unit/test_hf_config.py),
+but one: qwen3-next-80b-a3b counts the model card's one MTP layer, which the published file
+(and transformers' Qwen3NextConfig) leaves out: `from_hf_config(path, mtp_num_layers=1)` adds it. DeepSeek-V3.2's indexer training (its KL loss over the
 top-k keys) is a training choice that config.json does not hold: the preset chooses it. Qwen3's
 per-head q/k norms are not a shape field (no FLOPs; 2 x head_dim parameters per layer).
 """
@@ -136,7 +137,8 @@ PRESETS: dict[str, ModelShape] = {
     # 512, one shared expert of 512; SwiGLU; vocab 151936; one MTP depth). Re-checked against that
     # config.json (full_attention_interval 4, head_dim 256, hidden 2048, intermediate 5120 (unused:
     # every layer is MoE, decoder_sparse_step 1), linear_* as above, moe_intermediate_size 512) and
-    # the model card (48 layers, 16 Q / 2 KV heads, 512 experts, 10 routed + 1 shared).
+    # the model card (48 layers, 16 Q / 2 KV heads, 512 experts, 10 routed + 1 shared). The card's
+    # MTP layer is not in that config.json (it has no MTP key): counted here on purpose.
     "qwen3-next-80b-a3b": ModelShape(
         num_layers=48,
         hidden_size=2048,

@@ -8,6 +8,11 @@ small packs in a Python loop over `tolist()`, larger ones with numpy on the tens
 cross (measured with `ci/benchmarks/test_bench_accumulate.py`). Both give exactly what
 `seqlen_kernels.row_columns` gives, int64 wrap-around and the float64 rounding of the int64
 check included; the unit tests compare the three over drawn packs, malformed ones too.
+
+`HostMicrobatches` is a step's pending host microbatches, the accumulator's one structure for
+them: a small pack is read into lists as it comes and all of them are counted in one pass at
+`total` (`plain_step`); a larger one, or one with padded boundaries, is counted as it comes.
+Either way a caller that refills its buffer afterwards changes nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 
 from accounting.seqlen_fields import INT64_LIMIT, KINDS, wrap_int64
 
-__all__ = ["LOOP_LIMIT", "buffer_values", "host_values", "list_values", "plain_step"]
+__all__ = ["LOOP_LIMIT", "HostMicrobatches", "host_values", "list_values", "plain_step"]
 
 Window = tuple[int, int]
 
@@ -64,9 +69,66 @@ def host_values(
     return _array_values(_array(cu), None if padded is None else _array(padded), window, pack_len)
 
 
-def buffer_values(cu: torch.Tensor, *, window: Window | None, pack_len: int | None) -> list[int]:
-    """`host_values` of checked CPU boundaries without padded ones, with numpy on their buffer."""
-    return _array_values(_array(cu), None, window, pack_len)
+class HostMicrobatches:
+    """A step's microbatches counted on the host, by microbatch index: their vectors as exact ints."""
+
+    def __init__(self, window: Window | None) -> None:
+        self.window = window
+        self.clear()
+
+    def clear(self) -> None:
+        self._rows: list[tuple[list[list[int]], int | None]] = []  # small packs: rows, pack length
+        self._rows_at: list[int] = []  # their microbatch indices
+        self._counted: dict[int, list[int]] = {}  # the others' vectors, counted as they came
+
+    def __bool__(self) -> bool:
+        return bool(self._rows or self._counted)
+
+    def add(
+        self,
+        index: int,
+        cu: torch.Tensor,
+        padded: torch.Tensor | None,
+        two_d: bool,
+        size: int,
+        pack_len: int | None,
+    ) -> None:
+        """Microbatch `index`'s checked CPU boundaries (`size` values): read now, never kept."""
+        if padded is None and size <= LOOP_LIMIT:
+            self._rows.append((cu.tolist() if two_d else [cu.tolist()], pack_len))
+            self._rows_at.append(index)
+        else:
+            method = "loop" if size <= LOOP_LIMIT else "numpy"  # `size` known: no torch call to ask it
+            self._counted[index] = host_values(
+                cu, padded, two_d, window=self.window, pack_len=pack_len, method=method
+            )
+
+    def add_values(self, index: int, values: tuple[int, ...] | list[int]) -> None:
+        """Microbatch `index` as a vector made elsewhere (host statistics from a data loader)."""
+        self._counted[index] = list(values)
+
+    def total(self) -> list[int] | None:
+        """The step's summed vector as int64 sums hold it (None: no host microbatch)."""
+        summed = plain_step(self._rows) if self._rows and self.window is None else None
+        if summed is not None and not self._counted:
+            total = summed  # the common step: small packs only, one pass over them all
+        else:
+            parts = list(self._counted.values())
+            if self._rows:
+                parts += [summed] if summed is not None else self._rows_vectors()
+            if not parts:
+                return None
+            total = parts[0] if len(parts) == 1 else list(map(sum, zip(*parts, strict=True)))
+        if min(total) < -(2**63) or max(total) >= 2**63:  # as int64 sums wrap
+            total = [wrap_int64(v) for v in total]
+        return total
+
+    def per_microbatch(self) -> dict[int, list[int]]:
+        """Each microbatch's own vector, by index (the step's error message names them)."""
+        return {**self._counted, **dict(zip(self._rows_at, self._rows_vectors(), strict=True))}
+
+    def _rows_vectors(self) -> list[list[int]]:
+        return [list_values(rows, None, self.window, pack_len) for rows, pack_len in self._rows]
 
 
 def list_values(

@@ -8,26 +8,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_shape", "validate_cu_seqlens"]
+from accounting.boundaries import check_shape
 
-
-_INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
-
-
-def check_shape(cu: torch.Tensor, name: str) -> tuple[int, ...]:
-    """The shape of a 1-D or 2-D boundary tensor; rejects what metadata alone shows to be wrong."""
-    if not isinstance(cu, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    dtype, shape = cu.dtype, tuple(cu.shape)  # each read of a tensor attribute is a torch call
-    if dtype not in _INTEGER and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool):
-        raise ValueError(f"{name} has dtype {dtype}: boundaries must be an integer tensor (int32 or int64)")
-    if len(shape) not in (1, 2):
-        raise ValueError(
-            f"{name} has {len(shape)} dimensions (shape {list(shape)}): expected [n+1] or [micro_batch, n+1]"
-        )
-    if shape[-1] < 1:
-        raise ValueError(f"{name} has shape {list(shape)}: each row needs at least the leading 0")
-    return shape
+__all__ = ["validate_cu_seqlens"]
 
 
 def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:

@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from accounting.boundaries import check_boundaries, check_pack_len, on_host
 from accounting.seqlen_fields import FIELDS, MALFORMED, wrap_int64
 from accounting.seqlen_host import host_values
 from accounting.seqlen_kernels import row_columns
-from accounting.seqlen_validate import check_shape, validate_cu_seqlens
+from accounting.seqlen_validate import validate_cu_seqlens
 
 __all__ = [
     "MALFORMED",
@@ -260,42 +261,6 @@ def describe_malformed(values: dict[str, int]) -> str:
     )
     rows = values["malformed_rows"]
     return f"{rows} malformed boundary row{'s' if rows != 1 else ''} ({kinds}): the sums are wrong"
-
-
-def check_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> tuple[bool, int]:
-    """Whether the boundaries are 2-D, and their rows; rejects what metadata alone shows to be wrong."""
-    given = check_shape(cu_seqlens, "cu_seqlens")
-    if cu_seqlens_padded is not None:
-        padded_given = check_shape(cu_seqlens_padded, "cu_seqlens_padded")
-        rows, padded_rows = (
-            (given[0] if len(given) == 2 else 1),
-            (padded_given[0] if len(padded_given) == 2 else 1),
-        )
-        if padded_rows != rows:
-            raise ValueError(f"cu_seqlens_padded has {padded_rows} rows but cu_seqlens has {rows}")
-        if padded_given[-1] != given[-1]:
-            raise ValueError(
-                f"cu_seqlens_padded has shape {list(padded_given)} but cu_seqlens has shape {list(given)}: "
-                "they must describe the same segments"
-            )
-    return len(given) == 2, given[0] if len(given) == 2 else 1
-
-
-def check_pack_len(pack_len: int | None, rows: int) -> None:
-    """`pack_len` is None or an int >= 0 whose pack total (rows x pack_len) fits an int64."""
-    if pack_len is None:
-        return
-    if isinstance(pack_len, bool) or not isinstance(pack_len, int) or pack_len < 0:
-        raise ValueError(f"pack_len = {pack_len!r} must be an int >= 0")
-    if rows * pack_len >= 2**63:
-        raise ValueError(f"pack_len = {pack_len}: {rows} rows of it are past the exact int64 sums")
-
-
-def on_host(cu: torch.Tensor, padded: torch.Tensor | None = None) -> bool:
-    """Whether the boundaries are plain CPU tensors, whose buffers the host path may read."""
-    if type(cu) is not torch.Tensor or not cu.is_cpu:
-        return False
-    return padded is None or (type(padded) is torch.Tensor and padded.is_cpu)
 
 
 def seqlen_stats(

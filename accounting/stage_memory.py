@@ -23,8 +23,16 @@ Recomputation in Large Transformer Models", as in Megatron-LM's theoretical memo
 sequence length over CP, b the micro batch, h hidden, a heads, t TP, f the MLP width (top-k x
 expert width plus shared width for MoE layers), g = 6 for a gated MLP (SwiGLU) else 4:
   selective recompute: s*b*h*(10 + (8 + g*f/h)/t), or s*b*h*(18 + g*f/h)/t with SP;
-  no recompute: the above plus the attention scores 5*a*s*s_full*b/t;
+  no recompute, fused attention (the default): the above plus the softmax statistics the fused
+    kernel keeps for its backward, one fp32 value per query and head, 4*a*s*b/t;
+  no recompute, unfused attention (`attention="unfused"`): the above plus the attention scores
+    5*a*s*s_full*b/t (softmax output, dropout mask and output of every query-key pair);
   full recompute: 2*s*b*h (each layer's input), /t with SP.
+Fused is what megatron-core runs with Transformer Engine or flash attention: the s x s scores are
+recomputed block by block in the backward, never kept; Q, K, V and the output it keeps are the
+8*s*b*h/t already counted. Unfused is megatron-core's local `DotProductAttention`. K and V are
+counted at the query's width (Korthikanti's multi-head count), an over-estimate of
+4*s*b*h*(1 - groups/heads)/t per layer under grouped-query attention.
 Mamba and gated-DeltaNet layers are counted with the same per-layer formula (an approximation).
 The last stage adds its fp32 logits, 4*s*b*V/t. A stage holds the activations of the
 microbatches in flight: 1F1B, min(PP - p, M) microbatches on stage p; interleaved (VPP = v),
@@ -37,10 +45,13 @@ from dataclasses import dataclass
 
 from accounting.flops import ModelShape
 from accounting.hybrid import MAMBA_CONV_WIDTH, parse_hybrid_pattern
+from accounting.layout_checks import check_layout
 
-__all__ = ["MemoryEstimate", "ParallelLayout", "StageMemory", "memory_estimate", "stage_layers"]
+__all__ = ["ATTENTION", "MemoryEstimate", "ParallelLayout", "StageMemory", "memory_estimate", "stage_layers"]
 
 RECOMPUTE = (None, "selective", "full")
+# "fused": flash / TE attention, no s x s scores kept; "unfused": megatron-core's local attention.
+ATTENTION = ("fused", "unfused")
 PRECISIONS = {"bf16": (2, 4, 12), "fp32": (4, 4, 8)}  # weight, main gradient, optimizer bytes
 
 
@@ -59,6 +70,7 @@ class ParallelLayout:
     num_microbatches: int | None = None  # None: enough to fill the pipeline
     sequence_parallel: bool = False
     recompute: str | None = None
+    attention: str = "fused"
     distributed_optimizer: bool = False
     # Megatron's num_layers_in_first/last_pipeline_stage (uneven pipelines, without VPP only).
     first_stage_layers: int | None = None
@@ -73,12 +85,19 @@ class ParallelLayout:
             raise ValueError(f"vpp = {self.vpp} needs vpp >= 2 and pp >= 2 (None: no virtual pipeline)")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute = {self.recompute!r}: expected one of {RECOMPUTE}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention = {self.attention!r}: expected one of {ATTENTION}")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(
                 f"ep = {self.ep} must divide dp x cp = {self.dp * self.cp} (experts' data parallel)"
             )
         if self.seq_len % self.cp:
             raise ValueError(f"seq_len = {self.seq_len} must be divisible by cp = {self.cp}")
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise ValueError(
+                f"seq_len = {self.seq_len} must be divisible by 2 x cp = {2 * self.cp} (megatron-core "
+                "cuts it into 2 x CP chunks, two per CP rank, to balance causal attention)"
+            )
         if self.num_microbatches is not None and self.num_microbatches < 1:
             raise ValueError(f"num_microbatches = {self.num_microbatches} must be at least 1")
         self._check_uneven()
@@ -127,16 +146,24 @@ class StageMemory:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Every stage's estimate; `max_stage` is the first stage with the largest total."""
+    """Every stage's estimate; `max_stage` is the first stage with the largest total.
+
+    `attention` is the attention the activations assume ("fused" or "unfused", see `ATTENTION`).
+    """
 
     stages: tuple[StageMemory, ...]
+    attention: str = "fused"
 
     @property
     def max_stage(self) -> int:
         return max(self.stages, key=lambda s: (s.total_bytes, -s.stage)).stage
 
     def to_dict(self) -> dict:
-        return {"stages": [s.to_dict() for s in self.stages], "max_stage": self.max_stage}
+        return {
+            "stages": [s.to_dict() for s in self.stages],
+            "max_stage": self.max_stage,
+            "attention": self.attention,
+        }
 
 
 def _layer_kinds(shape: ModelShape) -> list[tuple[str, str]]:
@@ -284,7 +311,10 @@ def _layer_activation_bytes(shape: ModelShape, layout: ParallelLayout, ffn_width
     else:
         linear = s * b * (10 * h + (8 * h + g * ffn_width) // t)
     if layout.recompute is None:
-        linear += 5 * shape.num_attention_heads * s * layout.seq_len * b // t
+        if layout.attention == "unfused":
+            linear += 5 * shape.num_attention_heads * s * layout.seq_len * b // t
+        else:
+            linear += 4 * shape.num_attention_heads * s * b // t
     return linear
 
 
@@ -341,6 +371,7 @@ def memory_estimate(
         raise ValueError(f"precision = {precision!r}: expected one of {sorted(PRECISIONS)}")
     if normalization not in ("RMSNorm", "LayerNorm"):
         raise ValueError(f"normalization = {normalization!r}: expected 'RMSNorm' or 'LayerNorm'")
+    check_layout(shape, parallel, _layer_kinds(shape))
     stages = []
     for stage in range(parallel.pp):
         dense, expert = _stage_params(shape, parallel, stage, normalization, tied_embeddings)
@@ -353,4 +384,4 @@ def memory_estimate(
                 activation_bytes=_stage_activations(shape, parallel, stage),
             )
         )
-    return MemoryEstimate(tuple(stages))
+    return MemoryEstimate(tuple(stages), attention=parallel.attention)

@@ -5,7 +5,9 @@ counter since the previous log, over the wall time since the previous log. Ancho
 checkpointed counter on resume means the first interval after a restart is not a spike.
 MFU never stops a training job: a device or dtype the peak table does not hold gives MFU None
 and one logged reason; an interval above the peak is flagged (and logged) as a likely FLOPs
-over-count, never clipped.
+over-count, never clipped. Under mixed precision (`precision=`, e.g. a TE FP8 recipe: linear
+layers in FP8, attention in BF16) MFU weighs each term's FLOPs by its own precision's peak
+(`accounting.precisions`), with the single-peak MFU beside it.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+from accounting.precisions import resolve_precisions, seconds_at_peak
 
 __all__ = ["PEAK_FLOPS", "IntervalReport", "IntervalThroughput", "device_key", "lookup_peak", "peak_flops"]
 
@@ -161,9 +165,13 @@ def peak_flops(device_name: str, dtype: str = "bf16") -> float:
 class IntervalReport:
     """One logging interval: what was done, over how long, per GPU and against the peak.
 
-    `device`, `dtype` and `peak_flops_per_gpu` say which peak the MFU is against (None: no MFU).
+    `device`, `dtype` and `peak_flops_per_gpu` say which peak the single-peak MFU is against.
     `mfu_over_one` flags an MFU above 1, which no hardware reaches: the FLOPs are likely
     over-counted (a DP x CP group, a VPP chunk counted twice) or the peak is wrong.
+    `mfu_basis` labels `mfu`: "single peak" (`F / (T x N x peak)`, the `dtype` peak), or "by
+    precision" (each term at its own precision's peak, `peaks` holding each one used; the
+    single-peak figure is then `mfu_single_peak`, beside it). `mfu_unavailable` says why `mfu`
+    is None, when it is.
     """
 
     elapsed_s: float
@@ -177,6 +185,10 @@ class IntervalReport:
     dtype: str | None = None
     peak_flops_per_gpu: float | None = None
     mfu_over_one: bool = False
+    mfu_basis: str = "single peak"
+    mfu_single_peak: float | None = None
+    peaks: dict[str, float] | None = None
+    mfu_unavailable: str | None = None
 
 
 def _check_peak(peak: object) -> None:
@@ -195,6 +207,11 @@ class IntervalThroughput:
     never an error that stops training. Construct it (or call `reset`) with the counters
     restored from a checkpoint, so the first interval after a resume covers only the FLOPs done
     since then.
+
+    `precision` (with `device_name`) makes MFU precision-weighted: a TE recipe name ("delayed",
+    "tensorwise", "mxfp8", "blockwise": linear layers in FP8), one precision, or a mapping of term
+    groups or terms to precisions (`accounting.precisions`); terms it leaves out run in `dtype`.
+    `log` then needs the cumulative FLOPs by term (`terms=acc.total_terms`).
     """
 
     def __init__(
@@ -207,6 +224,8 @@ class IntervalThroughput:
         dtype: str = "bf16",
         peak_flops_per_gpu: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        precision: str | Mapping[str, str] | None = None,
+        start_terms: Mapping[str, int] | None = None,
     ) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
             raise ValueError(f"world_size = {world_size!r} must be a positive int")
@@ -223,31 +242,84 @@ class IntervalThroughput:
                 self.device = key_or_reason
         self.peak_flops_per_gpu = peak_flops_per_gpu
         self.clock = clock
-        self.reset(start_flops, start_tokens)
+        self.device_name = device_name
+        self.precisions = None if precision is None else resolve_precisions(precision, dtype)
+        self._warned: set[str] = set()
+        if self.precisions is not None and device_name is None:
+            self._warn_once("MFU by precision needs device_name= (the peak of each precision)")
+        self.reset(start_flops, start_tokens, start_terms)
 
-    def reset(self, total_flops: int, total_tokens: int = 0) -> None:
+    def _warn_once(self, reason: str) -> str:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("MFU will not be reported: %s", reason)
+        return reason
+
+    def reset(self, total_flops: int, total_tokens: int = 0, terms: Mapping[str, int] | None = None) -> None:
         """Anchors the next interval at these cumulative counters and now (e.g. after a resume)."""
         self._flops = int(total_flops)
         self._tokens = int(total_tokens)
+        self._terms = {name: int(value) for name, value in (terms or {}).items()}
         self._time = self.clock()
 
-    def log(self, total_flops: int, total_tokens: int = 0) -> IntervalReport:
+    def _by_precision(
+        self, flops: int, terms: dict[str, int] | None, elapsed: float
+    ) -> tuple[float | None, dict[str, float] | None, str | None]:
+        """(precision-weighted MFU, the peaks used, None) or (None, None, the reason)."""
+        if self.device_name is None:
+            return None, None, "MFU by precision needs device_name= (the peak of each precision)"
+        if terms is None:
+            return None, None, self._warn_once("MFU by precision needs log(..., terms=acc.total_terms)")
+        if sum(terms.values()) != flops:
+            return (
+                None,
+                None,
+                self._warn_once(
+                    f"the terms' FLOPs ({sum(terms.values())}) do not add up to the interval's ({flops}): "
+                    "anchor both at the same counters (start_terms= / reset(..., terms=))"
+                ),
+            )
+        seconds, peaks, reason = seconds_at_peak(
+            terms, self.precisions, lambda precision: lookup_peak(self.device_name, precision)
+        )
+        if seconds is None:
+            return None, None, self._warn_once(reason)
+        return (seconds / elapsed / self.world_size if elapsed > 0 else 0.0), peaks, None
+
+    def log(
+        self, total_flops: int, total_tokens: int = 0, *, terms: Mapping[str, int] | None = None
+    ) -> IntervalReport:
         """The interval since the previous log (or reset) ending now; then re-anchors.
 
         A counter that went backwards (a reload of an older checkpoint without `reset`) yields a
-        zero interval instead of a negative one. An MFU above 1 is flagged and logged.
+        zero interval instead of a negative one. An MFU above 1 is flagged and logged. `terms`
+        is the cumulative model FLOPs by term (`FlopsAccumulator.total_terms`), for MFU by precision.
         """
         now = self.clock()
         elapsed = now - self._time
         flops = max(int(total_flops) - self._flops, 0)
         tokens = max(int(total_tokens) - self._tokens, 0)
         self._flops, self._tokens, self._time = int(total_flops), int(total_tokens), now
+        deltas = None
+        if terms is not None:
+            current = {name: int(value) for name, value in terms.items()}
+            deltas = {name: max(value - self._terms.get(name, 0), 0) for name, value in current.items()}
+            self._terms = current
         peak = self.peak_flops_per_gpu
         where = {"device": self.device, "dtype": self.dtype, "peak_flops_per_gpu": peak}
+        single = (
+            (0.0 if peak else None)
+            if elapsed <= 0
+            else (flops / elapsed / self.world_size / peak if peak else None)
+        )
+        extra = {"mfu_single_peak": single, "mfu_unavailable": None if peak else self.mfu_unavailable}
+        mfu = single
+        if self.precisions is not None:
+            mfu, peaks, reason = self._by_precision(flops, deltas, elapsed)
+            extra.update(mfu_basis="by precision", peaks=peaks, mfu_unavailable=reason)
         if elapsed <= 0:
-            return IntervalReport(elapsed, flops, tokens, 0.0, 0.0 if peak else None, 0.0, 0.0, **where)
+            return IntervalReport(elapsed, flops, tokens, 0.0, mfu, 0.0, 0.0, **where, **extra)
         per_gpu = flops / elapsed / self.world_size
-        mfu = per_gpu / peak if peak else None
         over = mfu is not None and mfu > 1
         if over:
             logger.warning(
@@ -256,8 +328,8 @@ class IntervalThroughput:
                 "or the peak is wrong",
                 mfu,
                 self.device or "the given",
-                self.dtype or "configured",
-                peak,
+                self.dtype or "configured" if self.precisions is None else "per-term precision",
+                peak or float("nan"),
             )
         return IntervalReport(
             elapsed_s=elapsed,
@@ -269,4 +341,5 @@ class IntervalThroughput:
             tokens_per_s_per_gpu=tokens / elapsed / self.world_size,
             mfu_over_one=over,
             **where,
+            **extra,
         )

@@ -9,6 +9,8 @@ functional/test_accounting_collectives.py.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -524,3 +526,102 @@ def test_a_host_pack_is_counted_as_it_was_when_added(docs):
     got = acc.local_stats().to_dict()
     assert (got["num_sequences"], got["tokens"], got["squared"]) == (2 * docs, 8 * docs, 40 * docs)
     assert got["malformed_rows"] == 0 and got["padded_tokens"] == 8 * docs
+
+
+# ---------------------------------------------------------------- the counting path, and refusals (issues 32, 33)
+
+
+def _module_walk(call) -> list[tuple[str, str]]:
+    """The calls from one `accounting` module into another while `call()` runs, in order."""
+    import sys
+
+    edges = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_back is not None:
+            callee, caller = frame.f_globals.get("__name__", ""), frame.f_back.f_globals.get("__name__", "")
+            if callee.startswith("accounting.") and caller.startswith("accounting.") and callee != caller:
+                edges.append((caller, callee))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return edges
+
+
+@pytest.mark.parametrize(
+    ("count_on", "docs", "last"),
+    [
+        ("auto", 3, "accounting.seqlen_host"),  # a small pack, read into lists
+        ("auto", 300, "accounting.seqlen_host"),  # a larger one, counted with numpy
+        ("device", 3, "accounting.microbatch_staging"),
+    ],
+)
+def test_cu_seqlens_walk_from_add_microbatch_three_modules_without_coming_back(count_on, docs, last):
+    acc = FlopsAccumulator(packed=True, count_on=count_on)
+    cu = _sentinel_pack(docs, 1)[0].clone()
+    edges = _module_walk(lambda: acc.add_microbatch(cu_seqlens=cu, seq_len=3 * docs))
+    assert edges[:2] == [("accounting.accumulator", "accounting.boundaries"), ("accounting.boundaries", last)]
+    # A chain: each call leaves the module the previous one entered, so no module is come back to.
+    assert all(a[1] == b[0] or a == b for a, b in itertools.pairwise(edges)), edges
+    assert {module for edge in edges for module in edge} <= {
+        "accounting.accumulator", "accounting.boundaries", last
+    }  # fmt: skip
+
+
+def test_a_meta_microbatch_is_refused_at_step_in_one_line():
+    acc = FlopsAccumulator(packed=True)
+    acc.add_microbatch(cu_seqlens=torch.tensor([0, 4, 8], device="meta"))
+    assert acc.resolve().tokens.is_meta  # tracing still works
+    with pytest.raises(
+        ValueError, match=r"^FlopsAccumulator\.step: the microbatches' boundaries are meta"
+    ) as err:
+        acc.step(SHAPE)
+    assert "\n" not in str(err.value) and acc.num_microbatches == 0 and acc.total_flops == 0
+
+
+def test_a_dense_accumulator_refuses_boundaries_instead_of_ignoring_them():
+    acc = FlopsAccumulator(packed=False, dp_size=1)
+    for kwargs in ({"cu_seqlens": torch.tensor([0, 4])}, {"cu_seqlens_padded": torch.tensor([0, 4])}):
+        with pytest.raises(
+            ValueError, match=r"^add_microbatch: cu_seqlens= is for a packed FlopsAccumulator"
+        ):
+            acc.add_microbatch(micro_batch_size=1, seq_len=4, **kwargs)
+    assert acc.num_microbatches == 0
+
+
+@pytest.mark.parametrize("vp_stage", [-1, 1.0, "0", True])
+def test_a_vp_stage_that_is_not_a_chunk_index_is_refused(vp_stage):
+    acc = FlopsAccumulator(packed=True)
+    with pytest.raises(ValueError, match=r"^add_microbatch: vp_stage = .* must be an int >= 0"):
+        acc.add_microbatch(cu_seqlens=torch.tensor([0, 4]), vp_stage=vp_stage)
+    assert acc.num_microbatches == 0
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"total_flops": -1}, r"state_dict\['total_flops'\] = -1 must be >= 0"),
+        ({"steps": None}, r"state_dict\['steps'\] = None must be an int"),
+        ({"total_tokens": torch.tensor(-5)}, r"state_dict\['total_tokens'\] = -5 must be >= 0"),
+        ([("total_flops", 1)], "state_dict must be a dict of counters, got list"),
+    ],
+)
+def test_load_state_dict_refuses_negative_or_missing_values_and_restores_nothing(state, message):
+    acc = FlopsAccumulator(packed=True)
+    acc.load_state_dict({"total_flops": 7, "steps": 1})
+    with pytest.raises(ValueError, match=message):
+        acc.load_state_dict({"hardware_total_flops": 9, **state} if isinstance(state, dict) else state)
+    assert acc.state_dict() == {"total_flops": 7, "hardware_total_flops": 0, "total_tokens": 0,
+                                "total_padded_tokens": 0, "steps": 1}  # fmt: skip
+
+
+def test_total_terms_add_up_to_total_flops():
+    acc = FlopsAccumulator(packed=True)
+    for cu in ([0, 4, 8], [0, 3, 9, 9]):
+        acc.add_microbatch(cu_seqlens=torch.tensor(cu))
+        acc.step(SHAPE)
+    assert sum(acc.total_terms.values()) == acc.total_flops > 0
+    assert acc.total_terms["core_attention"] > 0 and acc.total_terms["mlp"] > 0

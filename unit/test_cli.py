@@ -241,3 +241,10 @@ def test_stdin_past_the_bound_is_refused_and_at_dash_reads_stdin():
     )  # fmt: skip
     assert small.returncode == 0, small.stderr
     assert json.loads(small.stdout)["model_flops"] == llama3_8b_flops([4096, 2048, 1024, 1024], 8192)[0]
+
+
+def test_one_document_and_one_token_read_in_the_singular(capsys):
+    from accounting.cli import main
+
+    assert main(["flops", "--preset", "llama3-8b", "--cu-seqlens", "0,1", "--seq-len", "4"]) == 0
+    assert "llama3-8b: 1 document, 1 real token in a pack of 4" in capsys.readouterr().out

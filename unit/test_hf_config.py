@@ -6,7 +6,9 @@ unit/data/hf_configs/<preset>.json are copies of the published config.json of ea
 model (the repositories the presets name), written from the published values; one value JSON
 cannot hold is replaced: Nemotron-H's `time_step_limit` upper bound `Infinity` is null here
 (a Mamba initialisation bound, which changes no FLOPs). gpt3-175b has no published config.json
-(GPT-3 was never released); llama3-70b-lora is llama3-70b's shape.
+(GPT-3 was never released); llama3-70b-lora is llama3-70b's shape. Qwen3-Next-80B-A3B's published
+file has no MTP key: it reads with no MTP layer, as Qwen3NextConfig reads it, and the preset adds
+the model card's one MTP layer (`PRESET_OVERRIDES`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ DATA = Path(__file__).parent / "data" / "hf_configs"
 # DeepSeek-V3.2's indexer training is a training choice (the preset's: the sparse KL loss).
 CALLER = {"deepseek-v3.2": {"dsa_indexer_loss_coeff": 1.0, "dsa_indexer_use_sparse_loss": True}}
 WITHOUT_CONFIG = {"gpt3-175b", "llama3-70b-lora"}
+# What a preset counts beyond its published config.json (docs/accounting.md says so beside it).
+PRESET_OVERRIDES = {"qwen3-next-80b-a3b": {"mtp_num_layers": 1}}
 
 
 def test_every_preset_but_gpt3_has_its_published_config():
@@ -37,7 +41,8 @@ def test_every_preset_but_gpt3_has_its_published_config():
 
 @pytest.mark.parametrize("name", sorted(set(PRESETS) - WITHOUT_CONFIG))
 def test_published_config_gives_the_preset(name):
-    shape = ModelShape.from_hf_config(DATA / f"{name}.json", **CALLER.get(name, {}))
+    extra = {**CALLER.get(name, {}), **PRESET_OVERRIDES.get(name, {})}
+    shape = ModelShape.from_hf_config(DATA / f"{name}.json", **extra)
     assert shape == PRESETS[name]
     stats = SeqlenStats.dense(1, 4096)
     if shape.stats_window is None:
@@ -93,7 +98,9 @@ def test_gemma2_slides_on_even_layers_and_gemma3_follows_layer_types():
     shape = ModelShape.from_hf_config(gemma2)
     assert shape.window_size == (7, 0) and shape.window_layer_pattern == (1, 0, 1, 0)
     types = ["sliding_attention"] * 5 + ["full_attention"]
-    gemma3 = llama(model_type="gemma3_text", num_hidden_layers=6, sliding_window=4, layer_types=types)
+    gemma3 = llama(
+        model_type="gemma3_text", num_hidden_layers=6, sliding_window=4, layer_types=types, head_dim=16
+    )
     assert ModelShape.from_hf_config(gemma3).window_layer_pattern == (1, 1, 1, 1, 1, 0)
 
 
@@ -138,13 +145,19 @@ def _edited(name: str, **changes) -> dict:
         (llama(model_type="gpt2"), "model_type 'gpt2' is not supported"),
         (llama(model_type=None), "model_type None is not supported"),
         (llama(attention_sink_size=4), "field 'attention_sink_size' (= 4) is not understood"),
-        (llama(num_key_value_heads=...), "field 'num_key_value_heads' is missing"),
+        (
+            llama(model_type="mistral", num_key_value_heads=..., sliding_window=None),
+            "'num_key_value_heads' is missing",
+        ),
+        (llama(model_type="qwen3", head_dim=...), "field 'head_dim' is missing"),
+        (llama(hidden_size=...), "field 'hidden_size' is missing"),
         (llama(intermediate_size="96"), "field intermediate_size = '96' must be an int"),
         (_edited("deepseek-v3", moe_layer_freq=2), "moe_layer_freq = 2"),
         (_edited("deepseek-v3", first_k_dense_replace=...), "'first_k_dense_replace' is missing"),
         (_edited("nemotron-h-8b", conv_kernel=3), "conv_kernel = 3"),
         (_edited("nemotron-h-8b", hybrid_override_pattern="ME" * 26), "only M, * and - layers"),
-        (_edited("qwen3-next-80b-a3b", mtp_num_hidden_layers=...), "'mtp_num_hidden_layers' is missing"),
+        (_edited("qwen3-next-80b-a3b", num_experts=...), "'num_experts' is missing"),
+        (_edited("qwen3-next-80b-a3b", head_dim=...), "'head_dim' is missing"),
         (
             _edited("qwen3-30b-a3b", use_sliding_window=True, max_window_layers=0, sliding_window=...),
             "'sliding_window' is missing",
@@ -223,7 +236,8 @@ def test_cli_preset_and_hf_config_are_exclusive():
 
 
 def test_qwen3_next_layer_types_mark_the_linear_attention_layers():
-    config = json.loads((DATA / "qwen3-next-80b-a3b.json").read_text())
+    # With the model card's MTP layer, which the preset counts and the published file leaves out.
+    config = {**json.loads((DATA / "qwen3-next-80b-a3b.json").read_text()), "mtp_num_hidden_layers": 1}
     types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12
     assert ModelShape.from_hf_config({**config, "layer_types": types}) == PRESETS["qwen3-next-80b-a3b"]
     types[0] = "full_attention"  # a different pattern is read as a per-layer list
@@ -241,7 +255,7 @@ def test_deepseek_derived_head_dims_are_checked_not_trusted():
 
 
 def test_gemma2_sliding_window_size_must_agree_with_sliding_window():
-    config = llama(model_type="gemma2", sliding_window=8, sliding_window_size=8)
+    config = llama(model_type="gemma2", sliding_window=8, sliding_window_size=8, head_dim=16)
     assert ModelShape.from_hf_config(config).window_size == (7, 0)
     with pytest.raises(ValueError, match="sliding_window_size = 16 differs"):
         ModelShape.from_hf_config({**config, "sliding_window_size": 16})
@@ -274,3 +288,69 @@ def test_hf_config_with_nan_is_refused(tmp_path: Path) -> None:
     path.write_text('{"model_type": "llama", "hidden_size": NaN}')
     with pytest.raises(ValueError, match=r"^hf config .*NaN is not a JSON number"):
         ModelShape.from_hf_config(path)
+
+
+# ---------------------------------------------------------------- derived and structural keys (issue 33)
+
+
+def test_a_llama_without_num_key_value_heads_is_multi_head_as_llamaconfig_reads_it():
+    without = llama(num_key_value_heads=...)
+    without = {k: v for k, v in without.items() if v is not ...}
+    assert ModelShape.from_hf_config(without) == ModelShape.from_hf_config(llama(num_key_value_heads=4))
+    assert ModelShape.from_hf_config(llama(num_key_value_heads=None)).num_query_groups == 4
+    published = json.loads((DATA / "llama3-8b.json").read_text())
+    del published["num_key_value_heads"]
+    assert ModelShape.from_hf_config(published) == dataclasses.replace(
+        PRESETS["llama3-8b"], num_query_groups=32
+    )
+
+
+def test_the_same_llama_without_hidden_size_is_refused_naming_it():
+    published = json.loads((DATA / "llama3-8b.json").read_text())
+    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads"):
+        config = {k: v for k, v in published.items() if k not in (key, "num_key_value_heads")}
+        with pytest.raises(ValueError, match=rf"field '{key}' is missing .*LlamaConfig does not derive it"):
+            ModelShape.from_hf_config(config)
+
+
+def test_the_published_qwen3_next_config_reads_with_no_mtp_layer_as_its_class_reads_it():
+    published = json.loads((DATA / "qwen3-next-80b-a3b.json").read_text())
+    assert not any("mtp" in key for key in published)
+    shape = ModelShape.from_hf_config(published)
+    assert shape.mtp_num_layers == 0
+    assert shape == dataclasses.replace(PRESETS["qwen3-next-80b-a3b"], mtp_num_layers=0)
+    # A later Qwen release's key is read when present.
+    assert (
+        ModelShape.from_hf_config({**published, "mtp_num_hidden_layers": 1}) == PRESETS["qwen3-next-80b-a3b"]
+    )
+
+
+def test_deepseek_v3_without_an_mtp_key_has_no_mtp_layer_and_without_q_lora_rank_is_refused():
+    config = _edited("deepseek-v3", num_nextn_predict_layers=...)
+    assert ModelShape.from_hf_config(config).mtp_num_layers == 0
+    with pytest.raises(ValueError, match="field 'q_lora_rank' is missing"):
+        ModelShape.from_hf_config(_edited("deepseek-v3", q_lora_rank=...))
+
+
+def test_mistral_without_sliding_window_is_refused_because_its_class_means_4096():
+    config = llama(model_type="mistral")
+    with pytest.raises(ValueError, match=r"field 'sliding_window' is missing .*MistralConfig"):
+        ModelShape.from_hf_config(config)
+    mixtral = llama(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)
+    assert ModelShape.from_hf_config(mixtral).window_size is None  # MixtralConfig's default is null
+
+
+def test_every_supported_type_has_a_row_naming_its_config_class():
+    from accounting.hf_config import SUPPORTED_MODEL_TYPES
+    from accounting.hf_derived import DERIVED
+
+    assert set(DERIVED) == set(SUPPORTED_MODEL_TYPES)
+    assert all(row.config_class.endswith("Config") for row in DERIVED.values())
+
+
+def test_absent_tie_word_embeddings_is_the_classes_default():
+    from accounting.hf_config import tied_embeddings
+
+    assert tied_embeddings(llama()) is False  # LlamaConfig: tie_word_embeddings=False
+    assert tied_embeddings(llama(model_type="gemma2")) is True  # Gemma2Config: True
+    assert tied_embeddings(llama(tie_word_embeddings=True)) is True

@@ -172,13 +172,16 @@ GPT = ModelShape(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_s
 def test_activation_formula_per_recompute_mode_is_korthikantis():
     s, b, h, a, layers = 2048, 1, 1024, 16, 4
     logits = 4 * s * b * 1024
-    for recompute, per_layer in (
-        ("selective", 34 * s * b * h),  # 34 sbh for a 4h GeLU MLP
-        (None, 34 * s * b * h + 5 * a * s * s * b),  # plus the attention scores
-        ("full", 2 * s * b * h),  # each layer's input only
+    for recompute, attention, per_layer in (
+        ("selective", "fused", 34 * s * b * h),  # 34 sbh for a 4h GeLU MLP
+        ("selective", "unfused", 34 * s * b * h),  # the scores are recomputed: none kept either way
+        (None, "unfused", 34 * s * b * h + 5 * a * s * s * b),  # plus the attention scores
+        (None, "fused", 34 * s * b * h + 4 * a * s * b),  # plus the fp32 softmax statistics instead
+        ("full", "fused", 2 * s * b * h),  # each layer's input only
     ):
-        row = memory_estimate(GPT, ParallelLayout(seq_len=s, recompute=recompute)).stages[0]
-        assert row.activation_bytes == layers * per_layer + logits, recompute
+        layout = ParallelLayout(seq_len=s, recompute=recompute, attention=attention)
+        row = memory_estimate(GPT, layout).stages[0]
+        assert row.activation_bytes == layers * per_layer + logits, (recompute, attention)
 
 
 def test_tensor_and_sequence_parallel_divide_the_activations():
@@ -357,3 +360,148 @@ def test_memory_answers_for_deepseek_v3_on_an_uneven_pipeline(capsys):
     # model's 58 + 1 (MTP) MoE layers x 256 experts x 3 x 7168 x 2048 / (64 x 2).
     experts = sum(row["expert_params"] for row in data["stages"])
     assert experts == 59 * 256 * 3 * 7168 * 2048 // (64 * 2)
+
+
+# ---------------------------------------------------------------- attention, units, layouts (issue 33)
+
+GiB = 2**30
+
+
+def refused(capsys, *argv: str) -> str:
+    """The one-line error of a command that must exit 2 (in process: cheaper than a subprocess)."""
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def llama3_8b_tp2_sp_pp4(**extra) -> ParallelLayout:
+    return ParallelLayout(tp=2, pp=4, seq_len=8192, sequence_parallel=True, **extra)
+
+
+def test_llama3_8b_fits_80gib_with_fused_attention_and_the_unfused_option_keeps_the_scores():
+    # The hand count of what stage 0 keeps with fused attention: 4 microbatches in flight (1F1B,
+    # PP = 4) x 8 layers, each s*b*(18h + 6f)/t bytes with SP (Korthikanti's tensors: norms, QKV
+    # input, Q, K, V, attention output, SwiGLU's three MLP tensors, two dropout masks), plus the
+    # fp32 softmax statistics 4*a*s*b/t. The issue's independent count of those tensors: 17-20 GiB.
+    s, b, h, f, a, t = 8192, 1, 4096, 14336, 32, 2
+    per_layer = s * b * (18 * h + 6 * f) // t + 4 * a * s * b // t
+    fused = memory_estimate(PRESETS["llama3-8b"], llama3_8b_tp2_sp_pp4()).stages[0]
+    assert fused.activation_bytes == 32 * per_layer
+    assert 17 * GiB <= fused.activation_bytes <= 20 * GiB
+    assert fused.total_bytes <= 80 * GiB
+    # The unfused option is the former default: plus 5*a*s*s*b/t of scores per layer, 179.5 GiB.
+    unfused = memory_estimate(PRESETS["llama3-8b"], llama3_8b_tp2_sp_pp4(attention="unfused")).stages[0]
+    scores = 5 * a * s * s * b // t
+    assert unfused.activation_bytes == 32 * (per_layer - 4 * a * s * b // t + scores)
+    assert round(unfused.activation_bytes / GiB, 2) == 179.5
+
+
+def test_memory_says_which_attention_it_assumed(capsys):
+    argv = [
+        "memory",
+        "--preset",
+        "llama3-8b",
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--pp",
+        "4",
+        "--seq-len",
+        "8192",
+    ]
+    assert main([*argv, "--device-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "attention: fused" in out and "device memory 80.00 GiB: fits" in out
+    assert main([*argv, "--device-memory", "80GiB", "--attention", "unfused"]) == 0
+    out = capsys.readouterr().out
+    assert "attention: unfused" in out and "does not fit (248.2% of it)" in out
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["attention"] == "fused"
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("80GiB", 80 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("81920MiB", 80 * 2**30),
+        ("1.5TiB", 3 * 2**39),
+        ("141 gb", 141 * 10**9),
+        ("512B", 512),
+    ],
+)
+def test_device_memory_takes_a_size_with_its_unit(text, size):
+    from accounting.memory_cli import parse_size
+
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("80", "--device-memory `80`: give a unit, for example `80GiB`"),
+        ("80.5", "--device-memory `80.5`: give a unit, for example `80.5GiB`"),
+        ("80GiBs", "unknown unit 'GiBs'"),
+        ("0GiB", "out of range"),
+        ("9000000000EB", "unknown unit"),
+        ("8000000000TiB", "out of range"),
+    ],
+)
+def test_a_bare_or_impossible_device_memory_is_refused(capsys, value, message):
+    assert message in refused(
+        capsys, "memory", "--preset", "llama3-8b", "--seq-len", "8", "--device-memory", value
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--tp", "3"), "tp = 3 must divide num_attention_heads = 32"),
+        (("--tp", "16"), "tp = 16 must divide num_query_groups = 8"),
+        (
+            ("--tp", "4", "--sequence-parallel", "--seq-len", "8190"),
+            "tp = 4 must divide the sequence per CP rank",
+        ),
+        (("--cp", "2", "--seq-len", "8190"), "divisible by 2 x cp = 4"),
+        (("--pp", "3"), "num_layers = 32 is not divisible by pp x vpp = 3"),
+        (("--pp", "4", "--vpp", "3"), "num_layers = 32 is not divisible by pp x vpp = 12"),
+    ],
+)
+def test_impossible_layouts_of_llama3_8b_are_refused_with_the_reason(capsys, args, message):
+    argv = ["memory", "--preset", "llama3-8b", *args]
+    if "--seq-len" not in args:
+        argv += ["--seq-len", "8192"]
+    assert message in refused(capsys, *argv)
+
+
+def test_expert_and_expert_width_splits_are_checked():
+    moe = small(num_moe_experts=6, moe_router_topk=2, moe_ffn_hidden_size=32)
+    with pytest.raises(ValueError, match=r"^ep = 4 must divide num_moe_experts = 6 \("):
+        memory_estimate(moe, ParallelLayout(ep=4, dp=4, seq_len=8))
+    odd = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, ffn_hidden_size=90)
+    with pytest.raises(ValueError, match=r"^tp = 4 must divide ffn_hidden_size = 90 \("):
+        memory_estimate(odd, ParallelLayout(tp=4, seq_len=8))
+    experts = small(num_query_groups=4, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=30)
+    with pytest.raises(ValueError, match=r"^tp = 4 must divide moe_ffn_hidden_size = 30 \("):
+        memory_estimate(experts, ParallelLayout(tp=4, seq_len=8))
+
+
+def test_an_uneven_split_given_explicitly_is_accepted():
+    # 32 layers over PP = 3 are refused evenly, accepted as 10 + 12 + 10.
+    layout = ParallelLayout(pp=3, seq_len=8, first_stage_layers=10, last_stage_layers=10)
+    assert [r.params > 0 for r in memory_estimate(PRESETS["llama3-8b"], layout).stages] == [True] * 3
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "message"),
+    [
+        (str(10**23), "--seq-len 100000000000000000000000 is out of range: expected"),
+        (str(2**32), "--seq-len: 4294967296 tokens in one pack; 4294967296**2 >= 2**63"),
+    ],
+)
+def test_memory_takes_the_flops_commands_bounds(capsys, seq_len, message):
+    for command in ("memory", "flops"):
+        assert message in refused(capsys, command, "--preset", "llama3-8b", "--seq-len", seq_len), command
+    big = refused(capsys, "memory", "--preset", "llama3-8b", "--seq-len", "8", "--dp", str(2**63))
+    assert "--dp 9223372036854775808 is out of range" in big

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -273,3 +274,137 @@ def test_an_interval_above_the_peak_is_flagged_and_logged_as_a_likely_over_count
     assert len(warnings) == int(flagged)
     if flagged:
         assert "over-counted" in warnings[0]
+
+
+# --------------------------------------------------------------- MFU under mixed precision (issue 33)
+
+H100 = "NVIDIA H100 80GB HBM3"  # datasheet dense peaks: BF16 989.4, FP8 1978.9 TFLOP/s
+
+
+def test_mfu_by_precision_is_each_terms_time_at_its_own_peak_over_the_interval():
+    # Hand computation: 4 GPUs for 2 s; the linear layers' 6e15 FLOPs in FP8, attention's 1e15 and
+    # the logits' 0.5e15 in BF16 (a TE FP8 recipe):
+    #   MFU = (6e15 / 1978.9e12 + 1.5e15 / 989.4e12) / (2 x 4) = (3.03199 + 1.51607) / 8 = 0.568508
+    # beside the single BF16-peak MFU 7.5e15 / (2 x 4 x 989.4e12) = 0.947544.
+    clock = FakeClock()
+    meter = IntervalThroughput(4, device_name=H100, precision="tensorwise", clock=clock)
+    terms = {
+        "attention_projections": 2 * 10**15,
+        "mlp": 4 * 10**15,
+        "core_attention": 10**15,
+        "logits": 5 * 10**14,
+    }
+    clock.now += 2.0
+    report = meter.log(sum(terms.values()), terms=terms)
+    assert report.mfu == pytest.approx(0.568508, rel=1e-5)
+    assert report.mfu_basis == "by precision" and report.peaks == {"fp8": 1978.9e12, "bf16": 989.4e12}
+    assert report.mfu_single_peak == pytest.approx(0.947544, rel=1e-5) and report.dtype == "bf16"
+    # A mapping says the same as the recipe; a term's own entry wins over its group's.
+    same = IntervalThroughput(4, device_name=H100, precision={"linear": "fp8"}, clock=clock)
+    clock.now += 2.0
+    assert same.log(sum(terms.values()), terms=terms).mfu == pytest.approx(report.mfu)
+    override = IntervalThroughput(
+        4, device_name=H100, precision={"linear": "fp8", "mlp": "bf16"}, clock=clock
+    )
+    clock.now += 2.0
+    # (2e15 / 1978.9e12 + 5.5e15 / 989.4e12) / 8 = (1.01066 + 5.55892) / 8 = 0.821198
+    assert override.log(sum(terms.values()), terms=terms).mfu == pytest.approx(0.821198, rel=1e-5)
+
+
+def test_one_precision_gives_todays_single_peak_mfu():
+    clock = FakeClock()
+    terms = {"mlp": 3 * 10**15, "core_attention": 10**15}
+    plain = IntervalThroughput(2, device_name=H100, dtype="fp8", clock=clock)
+    weighted = IntervalThroughput(2, device_name=H100, dtype="fp8", precision="fp8", clock=clock)
+    clock.now += 1.5
+    a, b = plain.log(4 * 10**15, terms=terms), weighted.log(4 * 10**15, terms=terms)
+    assert b.mfu == pytest.approx(a.mfu) == pytest.approx(4e15 / (1.5 * 2 * 1978.9e12))
+    assert a.mfu_basis == "single peak" and a.mfu_single_peak == a.mfu
+
+
+def test_intervals_by_precision_take_the_deltas_of_the_cumulative_terms_and_resume_without_a_spike():
+    clock = FakeClock()
+    restored = {"mlp": 10**20, "core_attention": 10**19}
+    meter = IntervalThroughput(
+        1,
+        device_name=H100,
+        precision="delayed",
+        start_flops=sum(restored.values()),
+        start_terms=restored,
+        clock=clock,
+    )
+    clock.now += 1.0
+    now = {"mlp": 10**20 + 9_894_500 * 10**8, "core_attention": 10**19 + 24_735 * 10**10}  # exact ints
+    report = meter.log(sum(now.values()), terms=now)
+    assert report.mfu == pytest.approx(0.5 + 0.25)  # half a second of FP8 work, a quarter of BF16
+
+
+@pytest.mark.parametrize(
+    ("device", "precision", "terms", "reason"),
+    [
+        (H100, {"attention": "fp4"}, {"core_attention": 10**12}, "core_attention runs in fp4: no fp4 peak"),
+        ("NVIDIA A100-SXM4-80GB", "tensorwise", {"mlp": 10**12}, "the A100 has no FP8 tensor cores"),
+        ("Tesla V100-SXM2-32GB", "tensorwise", {"mlp": 10**12}, "no peak FLOP/s known for device"),
+        (H100, "tensorwise", None, "needs log(..., terms=acc.total_terms)"),
+        (H100, "tensorwise", {"mlp": 10**12 - 1}, "do not add up to the interval's"),
+        (None, "tensorwise", {"mlp": 10**12}, "needs device_name="),
+    ],
+)
+def test_an_unknown_precision_or_device_gives_no_mfu_with_the_reason(
+    caplog, device, precision, terms, reason
+):
+    clock = FakeClock()
+    peak = None if device is not None else 1e15
+    with caplog.at_level(logging.WARNING, logger="accounting.throughput"):
+        meter = IntervalThroughput(
+            1, device_name=device, peak_flops_per_gpu=peak, precision=precision, clock=clock
+        )
+        for _ in range(2):
+            clock.now += 1.0
+            report = meter.log(
+                10**12 * (1 + _), terms=None if terms is None else {k: v * (1 + _) for k, v in terms.items()}
+            )
+    assert report.mfu is None and reason in report.mfu_unavailable
+    assert any(reason in r.getMessage() for r in caplog.records)
+    assert report.tflops_per_gpu > 0  # throughput is still reported
+
+
+def test_a_precision_for_a_term_the_model_does_not_run_changes_nothing():
+    clock = FakeClock()
+    meter = IntervalThroughput(
+        1, device_name=H100, precision={"mamba_scan": "fp4", "linear": "fp8"}, clock=clock
+    )
+    clock.now += 1.0
+    report = meter.log(10**15, terms={"mlp": 10**15, "mamba_scan": 0})
+    assert report.mfu == pytest.approx(1e15 / 1978.9e12)
+
+
+def test_an_unknown_group_or_term_is_a_configuration_error():
+    with pytest.raises(ValueError, match="precision key 'linaer' is neither a term group"):
+        IntervalThroughput(1, device_name=H100, precision={"linaer": "fp8"})
+
+
+def test_every_flops_term_belongs_to_exactly_one_precision_group():
+    from accounting.flops import TERMS
+    from accounting.precisions import GROUPS
+
+    grouped = [term for terms in GROUPS.values() for term in terms]
+    assert sorted(grouped) == sorted(TERMS)
+
+
+def test_flops_json_gives_the_time_at_each_precisions_peak(capsys):
+    from accounting.cli import main
+
+    argv = ["flops", "--preset", "llama3-8b", "--seq-len", "8192", "--device", H100, "--json"]
+    assert main([*argv, "--precision", "linear=fp8,attention=bf16"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    terms, at_peak = out["terms"], out["at_peak"]
+    linear = terms["attention_projections"] + terms["mlp"]
+    bf16 = terms["core_attention"] + terms["logits"]
+    assert at_peak["seconds_at_peak"] == pytest.approx(linear / 1978.9e12 + bf16 / 989.4e12)
+    assert at_peak["seconds_at_single_peak"] == pytest.approx(out["model_flops"] / 989.4e12)
+    assert at_peak["precision"]["core_attention"] == "bf16" and at_peak["precision"]["mlp"] == "fp8"
+    assert main([*argv[:-1], "--precision", "tensorwise"]) == 0
+    assert "s by precision" in capsys.readouterr().out
+    assert main(["flops", "--preset", "llama3-8b", "--seq-len", "8", "--precision", "fp8"]) == 2
+    assert "--precision needs --device" in capsys.readouterr().err

@@ -8,13 +8,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ci.gpu_check import bench, environment, gpt, hang, memory, pytest_step, sync, te_inspect, te_train
+from ci.gpu_check import (
+    bench,
+    environment,
+    gpt,
+    hang,
+    memory,
+    memory_estimate,
+    pytest_step,
+    sync,
+    te_inspect,
+    te_train,
+)
 from ci.gpu_check.summary import CheckState, StepFailed, StepResult, exit_status, record
 
 # Each step: a function of the running check giving its figures (or raising StepFailed).
 STEP_FUNCTIONS: dict[str, Callable[[CheckState], dict[str, Any]]] = {
     "environment": environment.step,
     "memory": memory.step,
+    "memory_estimate": memory_estimate.step,
     "hang": hang.step,
     "sync": sync.step,
     "bench": bench.step,
