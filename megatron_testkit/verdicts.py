@@ -65,7 +65,7 @@ class Verdict:
     budget_device: int | None
     world_size: int | None
     seed: int | None
-    at_s: float | None = None  # when it failed: the failing launch's duration, else the test's
+    at_s: float | None = None  # when it failed: the failing launch's time from spawn to verdict
 
     @property
     def cause(self) -> str:
@@ -141,7 +141,7 @@ def verdict(test: dict[str, Any], junit: dict[tuple[str, str], str] | None = Non
     if first_line.startswith(prefix):
         first_line = first_line[len(prefix) :]
     own = [launch for launch in entry.launches if launch.failed and not launch.caught]
-    at_s = own[-1].duration_s if own else entry.duration_s
+    at_s = own[-1].duration_s if own else None  # a failure in the pytest process has no launch time
     return Verdict(
         nodeid=entry.nodeid,
         outcome=entry.outcome,
