@@ -200,7 +200,7 @@ class _KitSession:
             torch=_version("torch"),
             # Read from the installed metadata: importing megatron here would cost seconds.
             megatron_core=_version("megatron-core"),
-            ci_job=os.environ.get("KIT_CI_JOB") or None,  # the CI row (set by `python -m ci job`)
+            ci_job=os.environ.get("KIT_CI_JOB") or None,  # the CI job (the kit's action sets it)
             pytest_rss_start_bytes=self.rss_start,
             pytest_rss_end_bytes=_rss(),
             allowed_skips=_allowed_list(self.config.stash.get(_ALLOWED_SKIPS, None)),

@@ -1,6 +1,6 @@
 """The CI runner's memory limit as the launcher sees it: enforced on a launch's ranks, or read back.
 
-A CI job dies when its processes exceed the runner's memory; ``python -m ci repro`` and the CI
+A CI job dies when its processes exceed the runner's memory; ``python -m megatron_testkit repro`` and the CI
 job (`ci/limits.py`) reproduce that limit, and the launcher turns it into a named verdict:
 
 - ``KIT_HOST_MEMORY`` (a size) without a cgroup, the *env* method: every poll the launcher sums its
@@ -190,7 +190,7 @@ def memory_cgroup_of(pid: int | str = "self") -> Path | None:
 
 # --- the verdict of a kill for memory ---------------------------------------------------------------
 # Whichever part of the kit kills a rank for the runner's memory (the launcher's KIT_HOST_MEMORY
-# check, or `python -m ci repro`'s watcher), it first leaves this note in the rank's launch
+# check, or the repro's watcher, `megatron_testkit.repro_limit`), it first leaves this note in the rank's launch
 # directory, so the launcher names the death `oom` whoever won the race to kill it.
 _KILL_NOTE = "rank{rank}.memory-kill"
 LAUNCH_SPEC_ENV = "KIT_RANK_SPEC"  # every rank's (and its descendants') marker: its launch's spec file

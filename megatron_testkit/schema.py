@@ -338,7 +338,7 @@ class Session:
     """The ``session`` header the plugin writes: where and on what the session ran.
 
     ``ci_job`` is the CI row that ran it (``KIT_CI_JOB``, None locally), which
-    ``python -m ci repro --from-report`` replays; ``megatron_core`` is the installed release
+    ``python -m megatron_testkit repro --from-report`` replays; ``megatron_core`` is the installed release
     (None when it is not installed). A `Report` keeps the header as a dict, so readers of older
     reports without a field still parse; `from_json` reads it back leniently.
     """
