@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from fixtures.inner_session import inner_env
+from fixtures.stop_signals import as_a_background_job, ignored_signals, with_default_stop_signals
 
 # Ranks that start a helper (as dist_checkpointing's writers do), say so, and wait to be stopped.
 WAITING = textwrap.dedent(
@@ -54,8 +55,10 @@ def _start(
     root: Path, source: str, *args: str, env: dict[str, str] | None = None, name: str = "test_inner.py"
 ) -> subprocess.Popen:
     (root / name).write_text(source)
+    # Its stop signals at their defaults: the tests below signal it as a terminal or CI would,
+    # even when this suite runs as a background job (which ignores SIGINT and SIGQUIT).
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, name],
+        with_default_stop_signals([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, name]),
         cwd=root,
         env=inner_env(env),
         stdout=subprocess.PIPE,
@@ -77,6 +80,15 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _interrupted_report(proc: subprocess.Popen, output: str, root: Path) -> dict[str, Any]:
+    """The report of an inner session that was stopped while `test_stopped_while_it_sleeps` ran."""
+    assert proc.returncode == 2, output[-3000:]  # pytest's "interrupted"
+    report = json.loads((root / "reports" / "kit-report.json").read_text())
+    outcomes = [(row["nodeid"].split("::")[-1], row["outcome"]) for row in report["tests"]]
+    assert outcomes == [("test_stopped_while_it_sleeps", "interrupted")], output[-3000:]
+    return report
 
 
 def _launched_under(root: Path) -> list[int]:
@@ -127,6 +139,50 @@ def test_a_cancelled_session_records_the_test_as_interrupted_and_leaves_nothing(
     if signum == signal.SIGQUIT:  # the stacks first: where the session was when it was asked
         assert "the stack of every thread" in output, output[-3000:]
         assert 'File "' in output and "in supervise" in output, output[-3000:]
+
+
+# A test that says which stop signals its session ignores, then waits to be stopped.
+SLEEPING = textwrap.dedent(
+    """
+    import os, signal, time
+
+
+    def test_stopped_while_it_sleeps():
+        ignored = [s.name for s in (signal.SIGINT, signal.SIGQUIT) if signal.getsignal(s) is signal.SIG_IGN]
+        with open(os.environ["READY"] + ".tmp", "w") as f:
+            f.write(" ".join(ignored) or "none ignored")
+        os.replace(os.environ["READY"] + ".tmp", os.environ["READY"])
+        time.sleep(300)
+    """
+)
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGQUIT], ids=["ctrl-c", "sigquit"])
+def test_a_session_started_from_a_background_job_is_still_stopped_by_ctrl_c_and_sigquit(
+    signum: int, tmp_path: Path
+) -> None:
+    """A suite run as a background job (`bash ci/test.sh L0 &` in a script) has SIGINT and SIGQUIT
+    ignored, and so had every session it started: the Ctrl-C and SIGQUIT cases above waited 120 s
+    for a session that ignored them. A session a test stops starts with its stop signals at their
+    defaults (`fixtures.stop_signals`)."""
+    # The premise, from a real shell: a background job starts with SIGINT and SIGQUIT ignored.
+    job = subprocess.run(
+        ["sh", "-c", "cat /proc/self/status & wait"], capture_output=True, text=True, check=True
+    )
+    assert {signal.SIGINT, signal.SIGQUIT} <= ignored_signals(job.stdout), job.stdout
+    ready = tmp_path / "ready"
+    with as_a_background_job():  # this process as such a job's shell leaves it
+        proc = _start(tmp_path, SLEEPING, "--kit-report=reports", env={**os.environ, "READY": str(ready)})
+    try:
+        _wait_for([ready], proc)
+        assert ready.read_text() == "none ignored"  # before: "SIGINT SIGQUIT"
+        proc.send_signal(signum)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _interrupted_report(proc, output, tmp_path)
 
 
 # A module-scoped fixture that launches ranks which wait: the session is stopped while the first
