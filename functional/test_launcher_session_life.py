@@ -185,6 +185,61 @@ def test_a_session_started_from_a_background_job_is_still_stopped_by_ctrl_c_and_
     _interrupted_report(proc, output, tmp_path)
 
 
+# A test whose fixture takes a while to tear down (a checkpoint written, a process group torn
+# down): the session's end tears it down after the stop, and a second stop signal comes meanwhile.
+SLOW_CLEANUP = textwrap.dedent(
+    """
+    import os, time
+    import pytest
+
+
+    @pytest.fixture
+    def slow_cleanup():
+        yield
+        ready = os.environ["READY"]
+        open(ready + ".cleaning", "w").close()
+        while not os.path.exists(ready + ".second-sent"):
+            time.sleep(0.05)
+
+
+    def test_stopped_while_it_sleeps(slow_cleanup):
+        open(os.environ["READY"], "w").close()
+        time.sleep(300)
+    """
+)
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(signal.SIGINT, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)],
+    ids=["ctrl-c-then-sigterm", "sigterm-then-ctrl-c"],
+)
+def test_a_second_stop_signal_during_the_cleanup_is_ignored_and_the_report_says_interrupted(
+    first: int, second: int, tmp_path: Path
+) -> None:
+    """A CI cancel sends SIGINT, then SIGTERM a few seconds later (GitHub Actions: 7.5 s). Before,
+    a SIGTERM that came while the session cleaned up after Ctrl-C raised a second KeyboardInterrupt
+    there and pytest died of it (exit -2); landing in pytest's own interrupt handling, it also left
+    a report that called the stopped test passed, exit status 0 (seen in a stress loop)."""
+    ready = tmp_path / "ready"
+    proc = _start(tmp_path, SLOW_CLEANUP, "--kit-report=reports", "--junitxml=reports/junit.xml",
+                  env={**os.environ, "READY": str(ready)})  # fmt: skip
+    try:
+        _wait_for([ready], proc)
+        proc.send_signal(first)
+        _wait_for([ready.with_name("ready.cleaning")], proc)
+        proc.send_signal(second)  # delivered before the fixture can see the file below
+        ready.with_name("ready.second-sent").touch()
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    report = _interrupted_report(proc, output, tmp_path)
+    assert report["session"]["exit_status"] == 2, output[-3000:]
+    assert ET.parse(tmp_path / "reports" / "junit.xml").getroot() is not None
+
+
 # A module-scoped fixture that launches ranks which wait: the session is stopped while the first
 # test's setup is still in the fixture, before any phase of it reported.
 IN_FIXTURE = textwrap.dedent(

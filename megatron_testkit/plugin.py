@@ -295,9 +295,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 def _stop_signals_as_interrupt(config: pytest.Config) -> dict[int, Any]:
     """SIGTERM, SIGHUP and SIGQUIT as Ctrl-C. As a KeyboardInterrupt, the launcher kills the ranks
-    and their helpers and pytest ends the session, writing the report and junit. Later stop
-    signals are ignored while that cleanup runs. Only a default handler is replaced (never one
-    the project set); returns the handlers to restore."""
+    and their helpers and pytest ends the session, writing the report and junit. After the first
+    stop signal, Ctrl-C included, the later ones are ignored while that cleanup runs: a CI cancel
+    sends SIGINT, then SIGTERM, and a second KeyboardInterrupt inside the cleanup killed pytest,
+    at times after a report that called the stopped test passed, exit status 0. Only a default
+    handler is replaced (never one the project set, nor an ignored signal: ``nohup``'s SIGHUP);
+    returns the handlers to restore."""
     from megatron_testkit.ranks import in_torchrun
 
     if threading.current_thread() is not threading.main_thread():
@@ -320,11 +323,16 @@ def _stop_signals_as_interrupt(config: pytest.Config) -> dict[int, Any]:
                 sys.stderr.write(f"kit: {name}: the stack of every thread, then the session stops\n")
                 sys.stderr.flush()
                 faulthandler.dump_traceback(all_threads=True)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt  # as Python's own handler raises it: pytest's message is unchanged
         raise KeyboardInterrupt(f"signal {signum} ({name}){source if signum == signal.SIGTERM else ''}")
 
     for signum in STOP_SIGNALS:
         if signal.getsignal(signum) is signal.SIG_DFL:
             saved[signum] = signal.signal(signum, interrupt)
+    # Ctrl-C stops the session as before; taken here so that it, too, silences the later ones.
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        saved[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     return saved
 
 
