@@ -46,7 +46,7 @@ import pytest
 from megatron_testkit import attribution, golden_plugin, skips
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
-from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
+from megatron_testkit.report import ReportCollector, build_report, format_table, plural, write_report
 from megatron_testkit.report_dir import SessionLogs
 from megatron_testkit.safe_write import WriteRefused
 from megatron_testkit.schema import Session
@@ -168,7 +168,7 @@ class _KitSession:
         merged = ""
         if self.written.sessions > 1:
             merged = (
-                f" (with {self.written.sessions - 1} earlier session(s) of the folder, every row kept; "
+                f" (with {plural(self.written.sessions - 1, 'earlier session')} of the folder, every row kept; "
                 "delete kit-report.json to start afresh)"
             )
         terminalreporter.write_line(f"kit report written to {self.report_dir}/kit-report.{{json,md}}{merged}")
