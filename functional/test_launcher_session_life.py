@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from fixtures.inner_session import inner_env
+from fixtures.stop_signals import as_a_background_job, ignored_signals, with_default_stop_signals
 
 # Ranks that start a helper (as dist_checkpointing's writers do), say so, and wait to be stopped.
 WAITING = textwrap.dedent(
@@ -54,8 +55,10 @@ def _start(
     root: Path, source: str, *args: str, env: dict[str, str] | None = None, name: str = "test_inner.py"
 ) -> subprocess.Popen:
     (root / name).write_text(source)
+    # Its stop signals at their defaults: the tests below signal it as a terminal or CI would,
+    # even when this suite runs as a background job (which ignores SIGINT and SIGQUIT).
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, name],
+        with_default_stop_signals([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, name]),
         cwd=root,
         env=inner_env(env),
         stdout=subprocess.PIPE,
@@ -77,6 +80,15 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _interrupted_report(proc: subprocess.Popen, output: str, root: Path) -> dict[str, Any]:
+    """The report of an inner session that was stopped while `test_stopped_while_it_sleeps` ran."""
+    assert proc.returncode == 2, output[-3000:]  # pytest's "interrupted"
+    report = json.loads((root / "reports" / "kit-report.json").read_text())
+    outcomes = [(row["nodeid"].split("::")[-1], row["outcome"]) for row in report["tests"]]
+    assert outcomes == [("test_stopped_while_it_sleeps", "interrupted")], output[-3000:]
+    return report
 
 
 def _launched_under(root: Path) -> list[int]:
@@ -127,6 +139,105 @@ def test_a_cancelled_session_records_the_test_as_interrupted_and_leaves_nothing(
     if signum == signal.SIGQUIT:  # the stacks first: where the session was when it was asked
         assert "the stack of every thread" in output, output[-3000:]
         assert 'File "' in output and "in supervise" in output, output[-3000:]
+
+
+# A test that says which stop signals its session ignores, then waits to be stopped.
+SLEEPING = textwrap.dedent(
+    """
+    import os, signal, time
+
+
+    def test_stopped_while_it_sleeps():
+        ignored = [s.name for s in (signal.SIGINT, signal.SIGQUIT) if signal.getsignal(s) is signal.SIG_IGN]
+        with open(os.environ["READY"] + ".tmp", "w") as f:
+            f.write(" ".join(ignored) or "none ignored")
+        os.replace(os.environ["READY"] + ".tmp", os.environ["READY"])
+        time.sleep(300)
+    """
+)
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGQUIT], ids=["ctrl-c", "sigquit"])
+def test_a_session_started_from_a_background_job_is_still_stopped_by_ctrl_c_and_sigquit(
+    signum: int, tmp_path: Path
+) -> None:
+    """A suite run as a background job (`bash ci/test.sh L0 &` in a script) has SIGINT and SIGQUIT
+    ignored, and so had every session it started: the Ctrl-C and SIGQUIT cases above waited 120 s
+    for a session that ignored them. A session a test stops starts with its stop signals at their
+    defaults (`fixtures.stop_signals`)."""
+    # The premise, from a real shell: a background job starts with SIGINT and SIGQUIT ignored.
+    job = subprocess.run(
+        ["sh", "-c", "cat /proc/self/status & wait"], capture_output=True, text=True, check=True
+    )
+    assert {signal.SIGINT, signal.SIGQUIT} <= ignored_signals(job.stdout), job.stdout
+    ready = tmp_path / "ready"
+    with as_a_background_job():  # this process as such a job's shell leaves it
+        proc = _start(tmp_path, SLEEPING, "--kit-report=reports", env={**os.environ, "READY": str(ready)})
+    try:
+        _wait_for([ready], proc)
+        assert ready.read_text() == "none ignored"  # before: "SIGINT SIGQUIT"
+        proc.send_signal(signum)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _interrupted_report(proc, output, tmp_path)
+
+
+# A test whose fixture takes a while to tear down (a checkpoint written, a process group torn
+# down): the session's end tears it down after the stop, and a second stop signal comes meanwhile.
+SLOW_CLEANUP = textwrap.dedent(
+    """
+    import os, time
+    import pytest
+
+
+    @pytest.fixture
+    def slow_cleanup():
+        yield
+        ready = os.environ["READY"]
+        open(ready + ".cleaning", "w").close()
+        while not os.path.exists(ready + ".second-sent"):
+            time.sleep(0.05)
+
+
+    def test_stopped_while_it_sleeps(slow_cleanup):
+        open(os.environ["READY"], "w").close()
+        time.sleep(300)
+    """
+)
+
+
+@pytest.mark.L0
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(signal.SIGINT, signal.SIGTERM), (signal.SIGTERM, signal.SIGINT)],
+    ids=["ctrl-c-then-sigterm", "sigterm-then-ctrl-c"],
+)
+def test_a_second_stop_signal_during_the_cleanup_is_ignored_and_the_report_says_interrupted(
+    first: int, second: int, tmp_path: Path
+) -> None:
+    """A CI cancel sends SIGINT, then SIGTERM a few seconds later (GitHub Actions: 7.5 s). Before,
+    a SIGTERM that came while the session cleaned up after Ctrl-C raised a second KeyboardInterrupt
+    there and pytest died of it (exit -2); landing in pytest's own interrupt handling, it also left
+    a report that called the stopped test passed, exit status 0 (seen in a stress loop)."""
+    ready = tmp_path / "ready"
+    proc = _start(tmp_path, SLOW_CLEANUP, "--kit-report=reports", "--junitxml=reports/junit.xml",
+                  env={**os.environ, "READY": str(ready)})  # fmt: skip
+    try:
+        _wait_for([ready], proc)
+        proc.send_signal(first)
+        _wait_for([ready.with_name("ready.cleaning")], proc)
+        proc.send_signal(second)  # delivered before the fixture can see the file below
+        ready.with_name("ready.second-sent").touch()
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    report = _interrupted_report(proc, output, tmp_path)
+    assert report["session"]["exit_status"] == 2, output[-3000:]
+    assert ET.parse(tmp_path / "reports" / "junit.xml").getroot() is not None
 
 
 # A module-scoped fixture that launches ranks which wait: the session is stopped while the first

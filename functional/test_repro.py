@@ -344,14 +344,20 @@ def test_a_stop_signal_to_repro_stops_its_pytest_and_repro_reports_after_it(
     tmp_path: Path, signum: signal.Signals
 ) -> None:
     """A CI cancel signals `python -m ci repro` alone: before, repro died and its pytest slept on."""
+    from fixtures.stop_signals import with_default_stop_signals
+
     root = tmp_path / "slow"
     root.mkdir()
     (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
     (root / "test_slow.py").write_text(SLOW)
     pid_file = tmp_path / "pytest.pid"
-    proc = subprocess.Popen(
+    # SIGINT at its default even when this suite runs as a background job (which ignores it).
+    command = with_default_stop_signals(
         [sys.executable, "-m", "ci", "repro", "L0", "--root", str(root), "--reports", str(tmp_path / "out"),
-         "--limit-method", "env"],
+         "--limit-method", "env"]
+    )  # fmt: skip
+    proc = subprocess.Popen(
+        command,
         cwd=ROOT, env={**os.environ, "SLOW_PID_FILE": str(pid_file)},
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -46,7 +46,7 @@ import pytest
 from megatron_testkit import attribution, golden_plugin, skips
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
-from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
+from megatron_testkit.report import ReportCollector, build_report, format_table, plural, write_report
 from megatron_testkit.report_dir import SessionLogs
 from megatron_testkit.safe_write import WriteRefused
 from megatron_testkit.schema import Session
@@ -175,7 +175,7 @@ class _KitSession:
         merged = ""
         if self.written.sessions > 1:
             merged = (
-                f" (with {self.written.sessions - 1} earlier session(s) of the folder, every row kept; "
+                f" (with {plural(self.written.sessions - 1, 'earlier session')} of the folder, every row kept; "
                 "delete kit-report.json to start afresh)"
             )
         terminalreporter.write_line(f"kit report written to {self.report_dir}/kit-report.{{json,md}}{merged}")
@@ -324,9 +324,12 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 def _stop_signals_as_interrupt(config: pytest.Config) -> dict[int, Any]:
     """SIGTERM, SIGHUP and SIGQUIT as Ctrl-C. As a KeyboardInterrupt, the launcher kills the ranks
-    and their helpers and pytest ends the session, writing the report and junit. Later stop
-    signals are ignored while that cleanup runs. Only a default handler is replaced (never one
-    the project set); returns the handlers to restore."""
+    and their helpers and pytest ends the session, writing the report and junit. After the first
+    stop signal, Ctrl-C included, the later ones are ignored while that cleanup runs: a CI cancel
+    sends SIGINT, then SIGTERM, and a second KeyboardInterrupt inside the cleanup killed pytest,
+    at times after a report that called the stopped test passed, exit status 0. Only a default
+    handler is replaced (never one the project set, nor an ignored signal: ``nohup``'s SIGHUP);
+    returns the handlers to restore."""
     from megatron_testkit.ranks import in_torchrun
 
     if threading.current_thread() is not threading.main_thread():
@@ -349,11 +352,16 @@ def _stop_signals_as_interrupt(config: pytest.Config) -> dict[int, Any]:
                 sys.stderr.write(f"kit: {name}: the stack of every thread, then the session stops\n")
                 sys.stderr.flush()
                 faulthandler.dump_traceback(all_threads=True)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt  # as Python's own handler raises it: pytest's message is unchanged
         raise KeyboardInterrupt(f"signal {signum} ({name}){source if signum == signal.SIGTERM else ''}")
 
     for signum in STOP_SIGNALS:
         if signal.getsignal(signum) is signal.SIG_DFL:
             saved[signum] = signal.signal(signum, interrupt)
+    # Ctrl-C stops the session as before; taken here so that it, too, silences the later ones.
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        saved[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     return saved
 
 

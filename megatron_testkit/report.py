@@ -239,14 +239,19 @@ def build_report(session: dict[str, Any], rows: list[dict[str, Any]]) -> dict[st
     return report.to_json()
 
 
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """``1 test``, ``2 tests``; `nouns` where an added s is wrong (``1 process``, ``2 processes``)."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
+
+
 def rss_growth_line(report: dict[str, Any]) -> str:
-    """``pytest RSS grew X MiB across N rank tests`` (summed over the tests that ran ranks)."""
+    """``pytest RSS grew X MiB across N rank test(s)`` (summed over the tests that ran ranks)."""
     grown, n = 0, 0
     for row in report["tests"]:
         if row["world_size"] and row["pytest_rss_before_bytes"] is not None and row["pytest_rss_after_bytes"]:
             grown += row["pytest_rss_after_bytes"] - row["pytest_rss_before_bytes"]
             n += 1
-    return f"pytest RSS grew {grown / 2**20:.1f} MiB across {n} rank tests"
+    return f"pytest RSS grew {grown / 2**20:.1f} MiB across {plural(n, 'rank test')}"
 
 
 _COLUMNS = ("test", "world", "backend", "time", "peak host", "peak device", "budget", "outcome")
@@ -316,7 +321,7 @@ def _footer(report: dict[str, Any], written: bool = True) -> list[str]:
     where = "listed in kit-report.json" if written else "--kit-report DIR lists them"
     lines = [
         ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no tests",
-        f"{rest} tests ran no ranks ({where})" if rest else "",
+        f"{plural(rest, 'test')} ran no ranks ({where})" if rest else "",
         rss_growth_line(report),
     ]
     skipped = skip_counts(report) if skip_summary_asked(report["session"]) else {}
@@ -324,7 +329,10 @@ def _footer(report: dict[str, Any], written: bool = True) -> list[str]:
         lines.append("skips by capability: " + ", ".join(f"{name} {n}" for name, n in skipped.items()))
     leaked = sum(row["leaked_processes"] for row in report["tests"])
     if leaked:
-        lines.append(f"{leaked} leaked processes were killed (see leaked_processes per test)")
+        killed = "was" if leaked == 1 else "were"
+        lines.append(
+            f"{plural(leaked, 'leaked process', 'leaked processes')} {killed} killed (see leaked_processes per test)"
+        )
     return [line for line in lines if line]
 
 
@@ -358,7 +366,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"{session.get('duration_s', 0):.1f} s, `-m {session.get('markexpr') or '(all)'}`"
         + (f", CI job `{session['ci_job']}`" if session.get("ci_job") else "")
         + (
-            f"; {len(session['sessions'])} sessions that shared this report folder, every row kept"
+            f"; {plural(len(session['sessions']), 'session')} that shared this report folder, every row kept"
             if session.get("sessions")
             else ""
         ),

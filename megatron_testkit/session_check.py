@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from megatron_testkit.report import plural
 from megatron_testkit.schema import ReportError, read_report
 
 MiB = 2**20
@@ -65,13 +66,15 @@ def check_report(
     if steady > bound:
         worst = sorted(growth[1:], key=lambda g: -g[1])[:3]
         problems.append(
-            f"pytest RSS grew {steady / MiB:.1f} MiB over {len(growth) - 1} rank tests after the first "
+            f"pytest RSS grew {steady / MiB:.1f} MiB over {plural(len(growth) - 1, 'rank test')} after the first "
             f"(bound {bound / MiB:.0f} MiB); largest: "
             + ", ".join(f"{n} +{d / MiB:.1f} MiB" for n, d in worst)
         )
     for row in report["tests"]:
         if row.get("leaked_processes"):
-            problems.append(f"{row['nodeid']} left {row['leaked_processes']} process(es) behind")
+            problems.append(
+                f"{row['nodeid']} left {plural(row['leaked_processes'], 'process', 'processes')} behind"
+            )
     return problems
 
 
@@ -84,7 +87,7 @@ def summary(report: dict[str, Any]) -> str:
     worst = max((d for _, d in growth), default=0)
     leaks = sum(row.get("leaked_processes") or 0 for row in report["tests"])
     return (
-        f"{len(report['tests'])} tests, {len(growth)} with ranks; pytest RSS "
+        f"{plural(len(report['tests']), 'test')}, {len(growth)} with ranks; pytest RSS "
         f"{session['pytest_rss_start_bytes'] / MiB:.0f} -> {session['pytest_rss_end_bytes'] / MiB:.0f} MiB; "
         f"first rank test +{first / MiB:.1f} MiB, the others +{steady / MiB:.1f} MiB in total "
         f"(largest single test +{worst / MiB:.1f} MiB); from the first rank test to the end "

@@ -133,7 +133,7 @@ def test_table_and_markdown_show_rank_tests_and_count_the_rest() -> None:
     assert "t.py::ranks" in table and "400.00 MiB" in table and "host 1.00 GiB" in table
     assert "failed (rank 1 oom)" in table
     assert "t.py::plain" not in table
-    assert "1 tests ran no ranks" in table
+    assert "1 test ran no ranks" in table
     markdown = format_markdown(report)
     assert "| t.py::ranks | 2 | gloo |" in markdown
     assert "rank 1 oom: MemoryError \\| x" in markdown  # a pipe cannot break the table
@@ -148,7 +148,32 @@ def test_rss_growth_is_summed_over_rank_tests() -> None:
         phase("t.py::plain", "setup", pytest_rss_before_bytes=0),
         phase("t.py::plain", "teardown", pytest_rss_after_bytes=100 * 2**20),
     )
-    assert "pytest RSS grew 3.0 MiB across 1 rank tests" in format_table(report_of(rows))
+    assert "pytest RSS grew 3.0 MiB across 1 rank test" in format_table(report_of(rows)).splitlines()
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (1, ["1 test ran no ranks", "across 1 rank test", "1 leaked process was killed"]),
+        (2, ["2 tests ran no ranks", "across 2 rank tests", "2 leaked processes were killed"]),
+    ],
+)
+def test_the_summary_counts_in_the_singular_and_the_plural(n: int, expected: list[str]) -> None:
+    """It said "1 tests ran no ranks", "across 1 rank tests", "1 leaked processes were killed"."""
+    rows = collect(
+        *(phase(f"t.py::ranks{i}", "setup", pytest_rss_before_bytes=0) for i in range(n)),
+        *(phase(f"t.py::ranks{i}", "call", runs=[run(2, [1, 1], leaked=1)]) for i in range(n)),
+        *(phase(f"t.py::ranks{i}", "teardown", pytest_rss_after_bytes=2**20) for i in range(n)),
+        *(phase(f"t.py::plain{i}", "call") for i in range(n)),
+    )
+    report = report_of(rows)
+    ran_no_ranks, rss, leaked = expected
+    footer = format_table(report).splitlines()
+    assert f"{ran_no_ranks} (listed in kit-report.json)" in footer
+    assert f"pytest RSS grew {n:.1f} MiB {rss}" in footer
+    assert f"{leaked} (see leaked_processes per test)" in footer
+    markdown = format_markdown(report).splitlines()
+    assert f"- {ran_no_ranks} (listed in kit-report.json)" in markdown
 
 
 def test_write_report_writes_both_files_and_leaves_the_step_summary_to_the_ci_job(
@@ -212,9 +237,9 @@ def test_without_a_report_file_the_summary_does_not_point_at_one() -> None:
     report = report_of(
         collect(phase("t.py::ranks", "call", runs=[run(2, [1, 2])]), phase("t.py::plain", "call"))
     )
-    assert "1 tests ran no ranks (listed in kit-report.json)" in format_table(report, written=True)
+    assert "1 test ran no ranks (listed in kit-report.json)" in format_table(report, written=True)
     table = format_table(report, written=False)
-    assert "1 tests ran no ranks (--kit-report DIR lists them)" in table
+    assert "1 test ran no ranks (--kit-report DIR lists them)" in table
     assert "kit-report.json" not in table
 
 
@@ -343,3 +368,18 @@ def test_a_version_2_report_with_a_launch_count_still_reads() -> None:
     with pytest.raises(SchemaError, match=r"tests\[0\]\.launches\[0\]\.caught is not true or false"):
         launch = {"world_size": 2, "backend": "gloo", "seed": 1, "caught": "yes"}
         check_report({"version": 3, "session": {}, "tests": [{**row, "launches": [launch]}]})
+
+
+def test_the_session_check_counts_in_the_singular() -> None:
+    """It said "over 1 rank tests after the first", "left 1 process(es) behind", "1 tests"."""
+    from megatron_testkit.session_check import check_report, summary
+
+    def row(nodeid: str, grew: int, leaked: int = 0) -> dict:
+        return {"nodeid": nodeid, "world_size": 2, "pytest_rss_before_bytes": 0,
+                "pytest_rss_after_bytes": grew, "leaked_processes": leaked}  # fmt: skip
+
+    problems = check_report({"tests": [row("t.py::a", 0), row("t.py::b", 2**40, leaked=1)]})
+    assert any(" MiB over 1 rank test after the first (bound " in p for p in problems), problems
+    assert "t.py::b left 1 process behind" in problems
+    session = {"pytest_rss_start_bytes": 0, "pytest_rss_end_bytes": 0}
+    assert summary({"session": session, "tests": [row("t.py::a", 0)]}).startswith("1 test, 1 with ranks; ")

@@ -111,3 +111,19 @@ def test_two_processes_writing_one_folder_at_once_keep_every_row(tmp_path: Path)
     assert len(ids) == 90 and set(ids) == want
     assert len(report["session"]["sessions"]) == 30
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_session_says_how_many_earlier_sessions_it_merged_in_the_singular(tmp_path: Path) -> None:
+    """It said "with 1 earlier session(s) of the folder"; two real sessions into one folder."""
+    from fixtures.inner_session import inner_env
+
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--kit-report=reports", "test_one.py"]  # fmt: skip
+    outputs = []
+    for _ in range(2):
+        run = subprocess.run(
+            command, cwd=tmp_path, env=inner_env(), capture_output=True, text=True, timeout=300
+        )
+        outputs.append(run.stdout)
+    assert "earlier session" not in outputs[0], outputs[0][-2000:]
+    assert " (with 1 earlier session of the folder, every row kept; " in outputs[1], outputs[1][-2000:]
