@@ -33,6 +33,7 @@ from typing import IO, Any
 import psutil
 
 from megatron_testkit import (
+    admission,
     attribution,
     devices,
     flight_recorder,
@@ -40,6 +41,7 @@ from megatron_testkit import (
     proctree,
     rank_worker,
     runner_limit,
+    stall,
 )
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
@@ -63,6 +65,8 @@ TIMEOUT_ENV = "KIT_RANK_TIMEOUT"
 # errors are evidence) before the launcher dumps their stacks and kills them.
 _GRACE_S = 1.0
 _POLL_S = 0.05
+# How often the launcher reads the ranks' positions (set-up done, collective, CPU) for stalls.
+_POSITION_S = 0.25
 _LOG_TAIL_LINES = 40
 
 _BOOTSTRAP = (
@@ -182,6 +186,7 @@ def _main_source() -> dict[str, str] | None:
 
 
 def _threads_per_rank(world_size: int) -> int:
+    """Without a ledger: the cores split between this launch's ranks and the other xdist workers."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     # Also share the cores with the other xdist workers: oversubscription, not compute, is
     # what made 2-rank CPU runs several times slower in the measurements.
@@ -241,7 +246,14 @@ def _run_dir(test_id: str | None, log_root: str | None) -> tuple[Path, bool]:
 
 def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, threads: int) -> dict:
     child = dict(os.environ)
-    for key in ("PYTEST_XDIST_WORKER", "TORCHELASTIC_RUN_ID", "LOCAL_RANK", "GROUP_RANK"):
+    # Not the session's ledger: a launch inside a rank would wait for the memory its parent holds.
+    for key in (
+        "PYTEST_XDIST_WORKER",
+        "TORCHELASTIC_RUN_ID",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        admission.LEDGER_ENV,
+    ):
         child.pop(key, None)
     child.update(
         {
@@ -376,6 +388,7 @@ class _Launch:
         args: Sequence[Any],
         env: dict[str, str] | None,
         budget: MemoryBudget | None,
+        stall_window: float | str | None = "default",
     ) -> None:
         payload = _check_picklable(fn, args)
         # The runner's memory: enforced here on the ranks' summed RSS (KIT_HOST_MEMORY), or by the
@@ -390,6 +403,14 @@ class _Launch:
         self.budget = budget or MemoryBudget()
         IDLE_FOOTPRINT.refuse_below(self.budget)
         self.world_size, self.timeout = world_size, timeout
+        # The stall window: the argument, else the test's stall_window marker, else KIT_STALL_WINDOW.
+        if stall_window == "default":
+            stall_window = (
+                context.stall_window
+                if context is not None and context.stall_window != "default"
+                else stall.default_window()
+            )
+        self.stall_window = stall.check_window(stall_window)
         # Marked `gpu` or not (None outside a test): only `gpu` tests get NCCL and see the GPUs.
         self.gpu_test = context.gpu if context is not None else None
         self.backend = choose_backend(backend, world_size, self.gpu_test)
@@ -402,7 +423,7 @@ class _Launch:
         )
         (self.run_dir / "payload.pkl").write_bytes(payload)
         self.spec_path = self.run_dir / "spec.json"
-        self.spec_path.write_text(json.dumps(self._spec(fn)))
+        self.fn = fn
         # NCCL: flight recorder on, dumps and dump-request pipes in the launch's directory.
         self.env = flight_recorder.nccl_env(self.run_dir) if self.backend == "nccl" else {}
         self.env.update(devices.rank_device_env(self.backend, gpu_test=self.gpu_test))
@@ -421,9 +442,26 @@ class _Launch:
         self.oom_before = self._oom_counters()
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
+        self.ledger = admission.session_ledger()
+        self.ticket: admission.Ticket | None = None
+        self.stall_verdict: stall.Stall | None = None
         self.started = time.time()
 
-    def _spec(self, fn: Callable[..., Any]) -> dict[str, Any]:
+    def admission_share(self) -> int:
+        """The bytes this launch's ranks take in the session's ledger: their host budgets (the CUDA
+        host allowance included), or the default per rank for a test that declares none."""
+        per_rank = devices.rank_host_budget(self.budget.host_bytes, self.backend, gpu_test=self.gpu_test)
+        return (per_rank or admission.default_rank_bytes()) * self.world_size
+
+    def admit(self) -> int:
+        """Wait for the ledger to admit this launch (`admission.NeverFits` at once if it cannot);
+        the threads per rank: the free cores split between its ranks."""
+        if self.ledger is None:
+            return _threads_per_rank(self.world_size)
+        self.ticket = self.ledger.admit(self.admission_share(), self.world_size, self.test_id)
+        return self.ticket.threads
+
+    def _spec(self, fn: Callable[..., Any], threads: int) -> dict[str, Any]:
         """What every rank reads at start (``rank_worker.run``)."""
         sys_path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         package_root = str(Path(__file__).resolve().parent.parent)
@@ -438,7 +476,7 @@ class _Launch:
             "pg_timeout_s": self.pg_timeout,
             "seed": self.seed,  # rank r seeds random, numpy and torch with seed + r
             "gpu_test": self.gpu_test,
-            "threads": _threads_per_rank(self.world_size),
+            "threads": threads,
             "budget_host_bytes": self.budget.host_bytes,
             "budget_device_bytes": self.budget.device_bytes,
             "sys_path": sys_path,
@@ -447,8 +485,10 @@ class _Launch:
         }
 
     def start(self) -> None:
-        """Spawn every rank in its own session, its output going to ``rank<N>.log``."""
-        threads = _threads_per_rank(self.world_size)
+        """Once admitted, spawn every rank in its own session, its output going to ``rank<N>.log``."""
+        threads = self.admit()
+        self.spec_path.write_text(json.dumps(self._spec(self.fn, threads)))
+        self.spawned = time.monotonic()
         for rank in range(self.world_size):
             log = open(self.run_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed in close())
             try:
@@ -467,17 +507,24 @@ class _Launch:
             self.ranks.append(_RankProcess(rank, proc, log))
 
     def supervise(self) -> bool:
-        """Poll the ranks until all exit, one fails (plus a grace), or the timeout; True on a hang."""
+        """Poll the ranks until all exit, one fails (plus a grace), the ranks deadlock (every live one
+        blocked for the stall window) or the timeout, counted from when every rank's process group is
+        up (spawn and imports are the machine's load, not the test's; they get a timeout of their
+        own); True on a hang."""
         __tracebackhide__ = True  # an interrupt (pytest-timeout) lands here: show the test, not this
-        deadline = time.monotonic() + self.timeout
+        deadline = self.spawned + self.timeout
+        ready_at: float | None = None
         first_failure: float | None = None
-        last_scan = 0.0
+        last_scan = last_position = 0.0
+        detector = self.stall_detector()
         while True:
             now = time.monotonic()
             for r in self.running():
                 record = self.run_dir / f"rank{r.rank}.json"
                 if r.poll(sample_rss=self.host_limit is not None, record=record) and first_failure is None:
                     first_failure = now
+                if r.status != "running" and detector is not None:
+                    detector.rank_exited(r.rank)
             if self.host_limit is not None:
                 self.enforce_host_limit(self.host_limit)
             if now - last_scan > 0.5:
@@ -489,10 +536,52 @@ class _Launch:
             if first_failure is not None and now - first_failure > _GRACE_S:
                 self.stop(running, "torn_down")
                 return False
+            if now - last_position > _POSITION_S:
+                last_position = now
+                positions = self.positions(running)
+                if (
+                    ready_at is None
+                    and len(positions) == len(running)
+                    and all(p.ready for p in positions.values())
+                ):
+                    ready_at = now
+                    deadline = max(deadline, ready_at + self.timeout)
+                if detector is not None:
+                    for r in running:
+                        detector.observe(now, r.rank, positions.get(r.rank))
+                    self.stall_verdict = detector.verdict(now, [r.rank for r in running])
+                    if self.stall_verdict is not None:
+                        self.stop(running, "hung")
+                        return True
             if now > deadline:
                 self.stop(running, "hung")
                 return True
             time.sleep(_POLL_S)
+
+    def stall_detector(self) -> stall.StallDetector | None:
+        """The launch's deadlock watch (None with the stall window off); NCCL ranks are judged by
+        their flight recorders' progress, the others by the host's view."""
+        if self.stall_window is None:
+            return None
+        if self.backend == "nccl":
+            return stall.StallDetector(self.stall_window, min_work=0.5)
+        return stall.StallDetector(self.stall_window)
+
+    def positions(self, running: list[_RankProcess]) -> dict[int, stall.Position]:
+        """Each running rank's position (its state line and CPU; on NCCL, its flight recorder's)."""
+        out = {}
+        for r in running:
+            position = stall.read_position(self.run_dir, r.rank, r.proc.pid)
+            if position is not None:
+                out[r.rank] = position
+        if self.backend == "nccl" and self.stall_window is not None:
+            stem = self.run_dir / flight_recorder.DUMP_STEM
+            flight_recorder.request_dumps(stem, [r.rank for r in running])  # read at a later poll
+            for rank, position in stall.nccl_positions(stem, out).items():
+                out[rank] = stall.Position(
+                    position.inside, position.seq, position.group_seq, out[rank].ready, position.work
+                )
+        return out
 
     def scan_trees(self) -> None:
         """Remember helpers that might leave the rank's process group before it dies, and sample
@@ -606,6 +695,11 @@ class _Launch:
         if root is None and not hung:
             return None
         assert root is not None
+        if self.stall_verdict is not None and root.status == "hung":
+            # Deadlocked: the rank the others wait for, as the stall rule named it.
+            root = records[self.stall_verdict.rank]
+            root.kind = "hang"
+            root.extra["stall"] = self.stall_verdict
         _refuse_if_failed_at_startup(root, self.budget)
         message = format_failure(
             root, records, timeout=self.timeout, log_dir=str(self.run_dir), started=self.started
@@ -645,7 +739,8 @@ class _Launch:
         return out
 
     def close(self) -> int:
-        """Close the logs, kill whatever is left of the ranks' trees; how many helpers leaked."""
+        """Close the logs, kill whatever is left of the ranks' trees, give the launch's memory back to
+        the ledger; how many helpers leaked."""
         for r in self.ranks:
             r.log.close()
         # Whatever still carries this launch's marker: daemons that double-forked out of the tree.
@@ -654,6 +749,8 @@ class _Launch:
         for r in self.ranks:
             with contextlib.suppress(Exception):
                 r.proc.wait(timeout=5)
+        if self.ticket is not None and self.ledger is not None:
+            self.ledger.release(self.ticket)
         return leaked
 
     def report(self, records: list[RankRecord], failure: BaseException | None, leaked: int) -> None:
@@ -672,6 +769,8 @@ class _Launch:
                 leaked_processes=leaked,
                 device=next((r.extra["device"] for r in records if r.extra.get("device")), None),
                 platform=next((r.extra["platform"] for r in records if r.extra.get("platform")), None),
+                queued_s=self.ticket.queued_s if self.ticket is not None else None,
+                admitted_bytes=self.ticket.bytes if self.ticket is not None else None,
             )
         )
         if not self.keep and failure is None:
@@ -706,17 +805,23 @@ def run_ranks(
     args: Sequence[Any] = (),
     env: dict[str, str] | None = None,
     budget: MemoryBudget | None = None,
+    stall_window: float | str | None = "default",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh ranks; return their results.
 
     The default process group is initialised before ``fn`` and destroyed after it. ``backend``
     is ``auto`` (NCCL with at least ``world_size`` GPUs, else gloo), ``gloo`` or ``nccl``.
-    ``timeout`` (seconds from spawn, finite and above 0; default ``KIT_RANK_TIMEOUT`` or 300)
-    bounds the whole launch; past it every rank's Python stack is dumped and the launch fails as
-    a hang. ``env`` adds environment variables for the ranks.
-    ``budget`` overrides the test's ``memory_budget`` marker. Raises `RankFailure` when any rank
-    fails, `TypeError` when ``fn`` cannot be imported by name in a fresh process, and
-    `BudgetBelowFootprint` when the host budget is smaller than an idle rank.
+    ``timeout`` (seconds, finite and above 0; default ``KIT_RANK_TIMEOUT`` or 300) bounds the
+    launch from the moment every rank's process group is up (and, separately, the ranks' set-up
+    from spawn); past it every rank's Python stack is dumped and the launch fails as a hang. ``env`` adds environment variables for the ranks.
+    ``budget`` overrides the test's ``memory_budget`` marker. ``stall_window`` (seconds, or None
+    for off; default the test's ``stall_window`` marker, else ``KIT_STALL_WINDOW``, else 30 s): when
+    every live rank has been blocked in a collective that long, the launch fails as a ``hang`` at
+    once (`megatron_testkit.stall`). In a session, the launch first waits until the session's
+    admission ledger has room for its ranks' budgets (`megatron_testkit.admission`). Raises
+    `RankFailure` when any rank fails, `TypeError` when ``fn`` cannot be imported by name in a
+    fresh process, `BudgetBelowFootprint` when the host budget is smaller than an idle rank, and
+    `admission.NeverFits` when its ranks' budgets exceed the runner's memory.
     """
     __tracebackhide__ = True  # pytest shows the kit's message and the rank's traceback, not this source
     # Checked before anything is made or spawned: a bad argument is the caller's, no rank's.
@@ -726,7 +831,16 @@ def run_ranks(
         from megatron_testkit.torchrun import run_in_torchrun
 
         return run_in_torchrun(fn, world_size, backend=backend, args=args)
-    launch = _Launch(fn, world_size, backend=backend, timeout=timeout, args=args, env=env, budget=budget)
+    launch = _Launch(
+        fn,
+        world_size,
+        backend=backend,
+        timeout=timeout,
+        args=args,
+        env=env,
+        budget=budget,
+        stall_window=stall_window,
+    )
     failure: BaseException | None = None
     try:
         launch.start()

@@ -19,8 +19,10 @@ from megatron_testkit.metrics import TestMetrics
 # 2: TestEntry.metrics (recorded series). Optional additions that older readers parse unchanged
 # (absent reads as None) keep the version: the ``interrupted`` outcome, the session's
 # ``exit_status``, a rank's ``peak_process``, a launch's ``device`` and ``platform``.
-REPORT_VERSION = 2
-READ_VERSIONS = (1, 2)  # a version-1 report reads as one without metrics
+# 3: memory admission (megatron_testkit.admission): a launch's and a test's ``queued_s`` and
+# ``admitted_bytes``, the session's ``admission`` figures (limit, peak of admitted memory).
+REPORT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)  # a version-1 report reads as one without metrics, 1-2 without admission
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
 OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
@@ -113,6 +115,10 @@ class Run:
     # platform they named (`megatron_testkit.golden.launch_platform`); absent in older reports.
     device: str | None = None
     platform: str | None = None
+    # Seconds the launch waited for the session's admission ledger, and the bytes it was admitted
+    # with (its ranks' budgets, or the default per rank); None without admission or before version 3.
+    queued_s: float | None = None
+    admitted_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The launch as plain JSON types."""
@@ -126,6 +132,11 @@ class Run:
         values["failure"] = Failure.from_json(data["failure"]) if data.get("failure") else None
         for key in ("device", "platform"):
             values[key] = values[key] if isinstance(values.get(key), str) else None
+        queued = values.get("queued_s")
+        values["queued_s"] = float(queued) if _is_number(queued) else None
+        values["admitted_bytes"] = (
+            values.get("admitted_bytes") if _is_int(values.get("admitted_bytes")) else None
+        )
         return cls(**values)
 
 
@@ -155,6 +166,9 @@ class TestEntry:
     worker: str | None = None
     skip_capability: str | None = None  # what a skipped test declared it needs (megatron_testkit.skips)
     metrics: TestMetrics | None = None  # recorded metric series and their platform (golden values)
+    # Summed over its launches: seconds waited for admission; the largest admitted share (bytes).
+    queued_s: float | None = None
+    admitted_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The row as plain JSON types, in the report's field names."""
@@ -175,9 +189,12 @@ class TestEntry:
             "budget_device_bytes",
             "pytest_rss_before_bytes",
             "pytest_rss_after_bytes",
+            "admitted_bytes",
         ):
             if name in values and not _is_int(values[name]):
                 values[name] = None
+        if "queued_s" in values and not _is_number(values["queued_s"]):
+            values["queued_s"] = None
         values["world_size"] = values.get("world_size") or 0
         values["leaked_processes"] = (
             values.get("leaked_processes") if _is_int(values.get("leaked_processes")) else 0
@@ -225,6 +242,13 @@ class Session:
     pytest_rss_end_bytes: int | None
     allowed_skips: list[str] | None = None  # KIT_ALLOWED_SKIPS (None: unset, skips unchecked)
     exit_status: int | None = None  # pytest's exit status (2: interrupted); None in older reports
+    # Memory admission (version 3; None without it): the runner's memory the ledger held
+    # (``admission_source`` says where the figure came from), the session's peak of admitted
+    # memory against it, and the share a rank of a test without a memory_budget is admitted with.
+    admission_limit_bytes: int | None = None
+    admission_peak_bytes: int | None = None
+    admission_source: str | None = None
+    admission_default_rank_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -236,9 +260,11 @@ class Session:
         if not isinstance(data, dict):
             raise SchemaError("'session' is not an object")
         values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
-        for name in ("ci_job", "megatron_core", "torch"):
+        for name in ("ci_job", "megatron_core", "torch", "admission_source"):
             if not isinstance(values[name], str):
                 values[name] = None
+        for name in ("admission_limit_bytes", "admission_peak_bytes", "admission_default_rank_bytes"):
+            values[name] = values[name] if _is_int(values[name]) else None
         values["gpus"] = values["gpus"] if _is_int(values["gpus"]) else 0
         values["exit_status"] = values["exit_status"] if _is_int(values["exit_status"]) else None
         values["pytest_args"] = [str(a) for a in values["pytest_args"] or []]
@@ -288,6 +314,10 @@ def _metrics(data: Any, where: str) -> TestMetrics | None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # ---- checking a report read back: every field typed and bounded, fail closed -----------------
