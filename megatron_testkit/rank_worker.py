@@ -82,6 +82,7 @@ class _Rank:
         self.inside: str | None = None
         self.depth = 0
         self.ready = False  # its process group is up
+        self.ready_at: float | None = None  # when (time.time()), for the report's setup_s
         self.kit_tids: list[int] = []  # the kit's own threads, whose CPU is not the rank's progress
         self.state_fd = os.open(self.run_dir / f"rank{rank}.state", os.O_WRONLY | os.O_CREAT, 0o644)
         self.stacks = open(self.run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 (lives until exit)
@@ -114,6 +115,7 @@ class _Rank:
                 "collective_seq": self.collective_seq,
                 "in_function": self.in_function,
                 "idle_host_bytes": self.idle_host_bytes,
+                "ready_at": self.ready_at,
                 **fields,
             }
             tmp = self.run_dir / f"rank{self.rank}.json.tmp"
@@ -178,6 +180,7 @@ class _Rank:
                 "group_seq": self.group_seq,
                 "inside": self.inside,
                 "ready": self.ready,
+                "ready_at": self.ready_at,
                 "kit_tids": self.kit_tids,
             },
         )
@@ -416,7 +419,7 @@ def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[A
         timeout=timedelta(seconds=spec["pg_timeout_s"]),
     )
     with state.lock:  # the launcher's timeout counts from here (spawn and imports are load, not the test)
-        state.ready = True
+        state.ready, state.ready_at = True, time.time()
         state.write_state()
     return fn, args
 

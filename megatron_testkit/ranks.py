@@ -356,6 +356,7 @@ class _RankProcess:
                 rec.extra[key] = data[key] if isinstance(data.get(key), str) else None
             rec.extra["in_function"] = data.get("in_function", True)
             rec.extra["idle_host_bytes"] = data.get("idle_host_bytes")
+            rec.extra["ready_at"] = data.get("ready_at")
             if data.get("status") == "failed" and rec.status in ("ok", "torn_down", "hung"):
                 rec.status = "failed"
         else:
@@ -363,6 +364,7 @@ class _RankProcess:
                 state = json.loads((run_dir / f"rank{self.rank}.state").read_text().strip() or "{}")
                 rec.last_collective = state.get("last_collective")
                 rec.collective_seq = state.get("seq") or 0
+                rec.extra["ready_at"] = state.get("ready_at")
         with contextlib.suppress(OSError):
             rec.stack = (run_dir / f"rank{self.rank}.stacks").read_text().strip() or None
         # A rank killed without a record (NCCL's watchdog aborts with SIGABRT) is diagnosed
@@ -488,7 +490,7 @@ class _Launch:
         """Once admitted, spawn every rank in its own session, its output going to ``rank<N>.log``."""
         threads = self.admit()
         self.spec_path.write_text(json.dumps(self._spec(self.fn, threads)))
-        self.spawned = time.monotonic()
+        self.spawned, self.spawned_at = time.monotonic(), time.time()
         for rank in range(self.world_size):
             log = open(self.run_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed in close())
             try:
@@ -753,6 +755,13 @@ class _Launch:
             self.ledger.release(self.ticket)
         return leaked
 
+    def setup_s(self, records: list[RankRecord]) -> float | None:
+        """Seconds from spawn until the last rank's process group was up (None if one never got there)."""
+        ready = [r.extra.get("ready_at") for r in records]
+        if not records or not all(isinstance(t, (int, float)) for t in ready):
+            return None
+        return round(max(ready) - self.spawned_at, 3)
+
     def report(self, records: list[RankRecord], failure: BaseException | None, leaked: int) -> None:
         """Attribute the launch to the running test and keep or remove its directory."""
         IDLE_FOOTPRINT.note([r.extra["idle_host_bytes"] for r in records if r.extra.get("idle_host_bytes")])
@@ -771,6 +780,7 @@ class _Launch:
                 platform=next((r.extra["platform"] for r in records if r.extra.get("platform")), None),
                 queued_s=self.ticket.queued_s if self.ticket is not None else None,
                 admitted_bytes=self.ticket.bytes if self.ticket is not None else None,
+                setup_s=self.setup_s(records),
             )
         )
         if not self.keep and failure is None:

@@ -76,6 +76,7 @@ class TestRow:
             metrics=TestMetrics.from_json(self.metrics) if self.metrics else None,
             queued_s=_sum_of(run.queued_s for run in self.runs),
             admitted_bytes=_max_of(run.admitted_bytes for run in self.runs),
+            setup_s=_sum_of(run.setup_s for run in self.runs),
         )
 
     def to_json(self) -> dict[str, Any]:

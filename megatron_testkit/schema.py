@@ -19,8 +19,8 @@ from megatron_testkit.metrics import TestMetrics
 # 2: TestEntry.metrics (recorded series). Optional additions that older readers parse unchanged
 # (absent reads as None) keep the version: the ``interrupted`` outcome, the session's
 # ``exit_status``, a rank's ``peak_process``, a launch's ``device`` and ``platform``.
-# 3: memory admission (megatron_testkit.admission): a launch's and a test's ``queued_s`` and
-# ``admitted_bytes``, the session's ``admission`` figures (limit, peak of admitted memory).
+# 3: memory admission (megatron_testkit.admission): a launch's and a test's ``queued_s``,
+# ``admitted_bytes`` and ``setup_s``, the session's ``admission_*`` figures (limit, peak admitted).
 REPORT_VERSION = 3
 READ_VERSIONS = (1, 2, 3)  # a version-1 report reads as one without metrics, 1-2 without admission
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
@@ -119,6 +119,9 @@ class Run:
     # with (its ranks' budgets, or the default per rank); None without admission or before version 3.
     queued_s: float | None = None
     admitted_bytes: int | None = None
+    # Seconds from spawn until every rank's process group was up (Python, torch, the test's module,
+    # the rendezvous): the launch timeout counts from there. None when they never all got there.
+    setup_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The launch as plain JSON types."""
@@ -132,8 +135,8 @@ class Run:
         values["failure"] = Failure.from_json(data["failure"]) if data.get("failure") else None
         for key in ("device", "platform"):
             values[key] = values[key] if isinstance(values.get(key), str) else None
-        queued = values.get("queued_s")
-        values["queued_s"] = float(queued) if _is_number(queued) else None
+        for key in ("queued_s", "setup_s"):
+            values[key] = float(values[key]) if _is_number(values.get(key)) else None
         values["admitted_bytes"] = (
             values.get("admitted_bytes") if _is_int(values.get("admitted_bytes")) else None
         )
@@ -166,9 +169,11 @@ class TestEntry:
     worker: str | None = None
     skip_capability: str | None = None  # what a skipped test declared it needs (megatron_testkit.skips)
     metrics: TestMetrics | None = None  # recorded metric series and their platform (golden values)
-    # Summed over its launches: seconds waited for admission; the largest admitted share (bytes).
+    # Summed over its launches: seconds waited for admission and spent setting ranks up; the
+    # largest admitted share (bytes).
     queued_s: float | None = None
     admitted_bytes: int | None = None
+    setup_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The row as plain JSON types, in the report's field names."""
@@ -193,8 +198,9 @@ class TestEntry:
         ):
             if name in values and not _is_int(values[name]):
                 values[name] = None
-        if "queued_s" in values and not _is_number(values["queued_s"]):
-            values["queued_s"] = None
+        for name in ("queued_s", "setup_s"):
+            if name in values and not _is_number(values[name]):
+                values[name] = None
         values["world_size"] = values.get("world_size") or 0
         values["leaked_processes"] = (
             values.get("leaked_processes") if _is_int(values.get("leaked_processes")) else 0
