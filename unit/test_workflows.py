@@ -430,7 +430,10 @@ def test_one_row_per_megatron_core_release_newest_in_l0_oldest_in_l1() -> None:
 def test_ci_test_sh_passes_the_same_report_arguments_as_the_rows() -> None:
     """ci/test.sh hard-codes its report arguments; they must be the prefix `repro` uses too."""
     script = (ROOT / "ci" / "test.sh").read_text()
-    pattern = r'-m pytest "\$\{select\[@\]\}" --kit-report[= ]reports --junitxml[= ]reports/junit\.xml "\$@"'
+    pattern = (
+        r'-m pytest "\$\{select\[@\]\}" "\$\{parallel\[@\]\}" --kit-report[= ]reports '
+        r'--junitxml[= ]reports/junit\.xml "\$@"'
+    )
     assert re.search(pattern, script), (
         "ci/test.sh no longer runs pytest with the report arguments repro mirrors"
     )
