@@ -341,6 +341,15 @@ def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) 
         assert log_dir.parent.parent == scenarios["dir"] / "logs"
         assert (log_dir.parent / ".megatron-testkit-session").is_file()
         assert (log_dir / "rank0.log").exists() and (log_dir / "rank1.log").exists()
+    # Every launch went through the session's admission ledger (this outer session's, when there is
+    # one: the inner session joins it).
+    session = report["session"]
+    assert 0 < session["admission_peak_bytes"] <= session["admission_limit_bytes"]
+    for row in rows.values():
+        if row["world_size"]:
+            assert row["admitted_bytes"] > 0
+            assert row["queued_s"] is not None
+    assert "admission: peak " in scenarios["output"]
     assert "kit report: ranks, peaks, budgets" in scenarios["output"]
     assert "pytest RSS grew" in scenarios["output"]
 

@@ -269,3 +269,21 @@ def test_a_golden_failure_is_the_tests_not_a_ranks() -> None:
     }
     table = format_table(build_report(session, [row]))
     assert "failed (golden)" in table and "rank None" not in table
+
+
+def test_a_version_2_report_reads_with_the_admission_fields_null() -> None:
+    from megatron_testkit.schema import Report, Session, check_report
+
+    row = {"nodeid": "t.py::a", "outcome": "passed", "world_size": 2, "ranks": [{"rank": 0}], "launches": 1}
+    old = {"version": 2, "session": {"host": "h", "duration_s": 1.0}, "tests": [row]}
+    parsed = Report.from_json(old)
+    assert (parsed.tests[0].queued_s, parsed.tests[0].admitted_bytes, parsed.tests[0].setup_s) == (
+        None,
+        None,
+        None,
+    )
+    assert Session.from_json(old["session"]).admission_peak_bytes is None
+    assert check_report(old).tests[0].nodeid == "t.py::a"
+    # Written now, the fields are there, typed, and a wrong type is refused naming the field.
+    with pytest.raises(Exception, match=r"tests\[0\]\.queued_s is not a finite number"):
+        check_report({**old, "version": 3, "tests": [{**row, "queued_s": "long"}]})
