@@ -16,11 +16,12 @@ itself included (transformers' mask: `kv_idx > q_idx - W`), i.e. `window_size = 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from accounting.json_input import load_json
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -29,6 +30,9 @@ __all__ = [
     "shape_kwargs_from_hf",
     "tied_embeddings",
 ]
+
+# A config.json is a few kB; a whole tokenizer inlined in one is a few MB.
+MAX_HF_CONFIG_BYTES = 16 * 2**20
 
 # Fields of any model type that do not change what is counted (no GEMM, conv or scan).
 _NEUTRAL = frozenset(
@@ -359,16 +363,8 @@ def load_hf_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[
     if isinstance(source, Mapping):
         return dict(source), "(dict)"
     path = Path(source)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ValueError(f"hf config {path}: cannot read it ({err.strerror or err})") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"hf config {path}: not UTF-8 text") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"hf config {path}: not JSON ({err.msg} at line {err.lineno})") from None
+    # Bounded and strict (a FIFO or /dev/zero is refused; no NaN): json_input's one-line errors.
+    config = load_json(path, limit=MAX_HF_CONFIG_BYTES, what="hf config")
     if not isinstance(config, dict):
         raise ValueError(f"hf config {path}: expected a JSON object, got {type(config).__name__}")
     return config, str(path)

@@ -13,6 +13,7 @@ so a node id cannot end Mermaid's string or the fenced block.
 
 from __future__ import annotations
 
+import io
 import re
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ci.report_input import ReportError, code_span, load_report, printable
+from megatron_testkit.safe_write import Folder, WriteRefused
 
 MIB = 2**20
 SIDES = (("host", "host RSS"), ("device", "CUDA device memory"))
@@ -154,9 +156,13 @@ def write_png(report_path: Path, png_path: Path) -> str:
         ax.set_title(f"Peak {title} per rank against the budget")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=100)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
+    try:  # the kit's writer: atomic, never through a link in the report folder
+        Folder(png_path.parent, what="chart folder").write_bytes(png_path.name, buffer.getvalue())
+    except WriteRefused as exc:
+        return f"memory chart: the PNG was not written ({exc})"
     return f"memory chart: {png_path}"
 
 

@@ -2,9 +2,9 @@
 
 CI runners stop a job with SIGTERM (a cancel sends SIGINT first) to the process they started:
 `python -m ci job` or `python -m ci repro`. Without forwarding, that process dies and the pytest
-it runs goes on as an orphan and writes no report. Here the parent passes SIGTERM and SIGINT on
-and waits for the child to finish its own shutdown (report, junit, ranks torn down), then goes on
-with the child's exit code.
+it runs goes on as an orphan and writes no report. Here the parent passes SIGTERM, SIGINT, SIGHUP
+and SIGQUIT on and waits for the child to finish its own shutdown (report, junit, ranks torn
+down), then goes on with the child's exit code.
 
 Without a terminal (CI), the child gets its own process group and a signal goes to the whole
 group, so a shell script's pytest gets it too, and the parent waits until the group is empty.
@@ -25,7 +25,9 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP (a closed terminal or SSH session) and SIGQUIT (stacks, then stop) too: the kit's plugin
+# stops a session on each of them with a report, as on SIGTERM.
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 # How long the parent waits, once the child exited, for the rest of its process group (a shell
 # script's pytest writing its report); a runner's own hard kill comes later than this.
 GROUP_GRACE_S = 60.0

@@ -25,6 +25,7 @@ from typing import Any
 from ci.report_input import MAX_REPORT_BYTES, ReportError, code_span, load_report, printable
 from megatron_testkit.diagnosis import RankRecord, classify
 from megatron_testkit.report import build_report, format_markdown
+from megatron_testkit.safe_write import Folder, WriteRefused
 from megatron_testkit.schema import MAX_GPUS, MAX_WORLD_SIZE
 
 # Reports merged at once: one per process of the largest job the kit merges.
@@ -275,11 +276,13 @@ def format_merged_markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    """Write ``OUT/kit-report.json`` and ``OUT/kit-report.md``."""
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / "kit-report.json", out / "kit-report.md"
-    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    md_path.write_text(format_merged_markdown(report))
+    """Write ``OUT/kit-report.json`` and ``OUT/kit-report.md`` through the kit's writer (atomic,
+    never through a link: `WriteRefused` in one line for ``OUT/kit-report.json`` that is one)."""
+    folder = Folder(out, what="merge-reports OUT")
+    json_path = folder.write_text(
+        "kit-report.json", json.dumps(report, indent=2, default=str, allow_nan=False) + "\n"
+    )
+    md_path = folder.write_text("kit-report.md", format_merged_markdown(report))
     return json_path, md_path
 
 
@@ -294,7 +297,11 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    json_path, md_path = write(report, out)
+    try:
+        json_path, md_path = write(report, out)
+    except WriteRefused as exc:
+        print(f"merge-reports: {exc}", file=sys.stderr)
+        return 2
     for row in report["tests"]:
         if row["failure"]:
             print(f"{printable(row['nodeid'])}: {printable(row['failure']['first_line'], 300)}")

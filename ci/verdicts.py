@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from accounting.json_input import JsonInputError, read_regular_file
+
 # The one loader, re-exported for the readers that import it from here.
 from ci.report_input import ReportError as ReportError
 from ci.report_input import load_report as load_report
@@ -26,6 +28,8 @@ from megatron_testkit.schema import TestEntry
 # What repro reruns: a failure, and a test the session was stopped in (CI cancel, Ctrl-C), which
 # never got to pass.
 FAILED = ("failed", "error", "interrupted")
+# A JUnit file holds one message per failing test, the kit clips them: far under this.
+MAX_JUNIT_BYTES = 64 * 2**20
 
 
 def failed_tests(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -95,9 +99,9 @@ def junit_first_lines(path: Path | str) -> dict[tuple[str, str], str]:
     Failures in the pytest process (no rank involved) have no `failure` entry in the kit report;
     JUnit has their assertion message. A missing or unreadable file gives an empty mapping.
     """
-    try:
-        root = ET.parse(path).getroot()
-    except (OSError, ET.ParseError):
+    try:  # bounded: a regular file (a FIFO would hang the parser) of at most MAX_JUNIT_BYTES
+        root = ET.fromstring(read_regular_file(path, MAX_JUNIT_BYTES, "junit file"))
+    except (JsonInputError, ET.ParseError):
         return {}
     out = {}
     for case in root.iter("testcase"):

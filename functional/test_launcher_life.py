@@ -187,6 +187,61 @@ LEAVING = textwrap.dedent(
         monkeypatch.setenv("KIT_HOST_MEMORY", "1200MiB")
         monkeypatch.delenv("KIT_RANK_CGROUP", raising=False)
         run_ranks(worker_holds, 2, timeout=120, args=(1000, 1))
+
+
+    # The same daemon, started with an empty environment (`env -i`): it carries no launch marker,
+    # left the rank's process group and session, and its parent exited. Holding `mib` MiB.
+    BARE_DAEMON = DAEMON.replace("time.sleep(300)", "hold = b'x' * (int(sys.argv[2]) << 20); time.sleep(300)")
+
+
+    def start_bare_daemon(rank, world_size, path, mib):
+        subprocess.run(
+            [sys.executable, "-c", BARE_DAEMON, path, str(mib)],
+            env={},
+            check=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        time.sleep(1.0)  # 50 samples of the rank's watchdog (every 20 ms)
+        return int(Path(path).read_text())
+
+
+    def test_bare_daemon():
+        run_ranks(start_bare_daemon, 1, timeout=120, args=(os.path.abspath("bare.pid"), 0))
+
+
+    def test_bare_daemon_memory_against_the_budget():
+        # 800 MiB held by the daemon alone is over the 600 MiB budget (an idle rank is ~300 MiB).
+        args = (os.path.abspath("bare-big.pid"), 800)
+        run_ranks(start_bare_daemon, 1, timeout=120, args=args, budget=MemoryBudget.parse(host="600MiB"))
+
+
+    def flood(rank, world_size, mib):
+        chunk = b"x" * (1 << 20)
+        for _ in range(mib):
+            sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.write(b"\\nLAST LINE\\n")
+        sys.stdout.flush()
+
+
+    def test_floods_its_log(monkeypatch):
+        monkeypatch.setenv("KIT_RANK_LOG_BYTES", "1MiB")
+        run_ranks(flood, 1, timeout=120, args=(64,))
+
+
+    def forge_record(rank, world_size):
+        import json
+        spec = json.load(open(os.environ["KIT_RANK_SPEC"]))
+        with open(os.path.join(spec["run_dir"], f"rank{rank}.json"), "w") as f:
+            f.write("[" * 100_000 + "]" * 100_000)  # past the recursion limit of any JSON parser
+        os._exit(0)
+
+
+    def test_forged_record():
+        run_ranks(forge_record, 1, timeout=120)
     '''
 )
 
@@ -203,11 +258,13 @@ def leaving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     """The LEAVING scenarios, run once in an inner session; the daemon's pid with the results."""
     root = tmp_path_factory.mktemp("leaving")
     result = run_inner_session(root, "test_leaving.py", LEAVING)
-    daemon_pid = root / "daemon.pid"  # written by the daemon (the inner session runs in root)
-    daemon = int(daemon_pid.read_text()) if daemon_pid.exists() else None
-    yield {**result, "daemon": daemon}
-    if daemon is not None and _alive(daemon):
-        psutil.Process(daemon).kill()  # only where the launcher failed to (its test says so)
+    # Written by the daemons (the inner session runs in root).
+    pids = {name: root / f"{name}.pid" for name in ("daemon", "bare", "bare-big")}
+    daemons = {name: int(p.read_text()) if p.exists() else None for name, p in pids.items()}
+    yield {**result, **daemons}
+    for pid in daemons.values():
+        if pid is not None and _alive(pid):
+            psutil.Process(pid).kill()  # only where the launcher failed to (its test says so)
 
 
 def test_a_double_forked_daemon_is_killed_and_counted_as_leaked(leaving: dict[str, Any]) -> None:
@@ -228,6 +285,52 @@ def test_a_worker_process_holding_memory_counts_against_its_rank_budget(leaving:
     # Stopped as the sum crossed the budget, while the worker was still filling its 800 MiB.
     assert peak["peak_host_bytes"] > parse_size("600MiB")
     assert "import sys, time" in (peak["peak_process"] or ""), peak
+    assert "\0" not in peak["peak_process"], peak  # the command line's NUL separators are spaces
+
+
+def test_a_daemon_that_cleared_its_environment_is_killed_and_counted_as_leaked(
+    leaving: dict[str, Any],
+) -> None:
+    """`env -i` drops the launch's marker; the ranks and the launcher adopt orphans anyway."""
+    row = leaving["rows"]["test_bare_daemon"]
+    assert row["outcome"] == "passed", leaving["output"][-3000:]
+    assert leaving["bare"] is not None
+    assert not _alive(leaving["bare"]), "the daemon outlived its launch"
+    assert row["leaked_processes"] >= 1
+
+
+def test_a_daemon_that_cleared_its_environment_counts_against_its_rank_budget(
+    leaving: dict[str, Any],
+) -> None:
+    row = leaving["rows"]["test_bare_daemon_memory_against_the_budget"]
+    assert row["outcome"] == "failed", leaving["output"][-3000:]
+    failure = row["failure"]
+    assert (failure["rank"], failure["kind"]) == (0, "oom")
+    assert "host memory budget exceeded" in failure["first_line"] and "descendant" in failure["first_line"]
+    assert leaving["bare-big"] is not None and not _alive(leaving["bare-big"])
+    assert row["leaked_processes"] >= 1
+
+
+def test_a_rank_that_floods_its_output_gets_a_capped_log_with_head_tail_and_a_cut_line(
+    leaving: dict[str, Any],
+) -> None:
+    row = leaving["rows"]["test_floods_its_log"]
+    assert row["outcome"] == "passed", leaving["output"][-3000:]
+    log = Path(row["log_dir"]) / "rank0.log"
+    size = log.stat().st_size
+    assert 2**20 <= size < 2**20 + 512, size  # the cap (KIT_RANK_LOG_BYTES=1MiB) and the cut line
+    data = log.read_bytes()
+    cut = 64 * 2**20 + len(b"\nLAST LINE\n") - 2**20  # what was written, less what is kept
+    assert f"[kit: {cut} bytes of rank 0's output cut here".encode() in data
+    assert data.startswith(b"x" * 1000) and data.endswith(b"x\nLAST LINE\n")
+
+
+def test_a_forged_rank_record_is_a_crash_verdict_not_a_recursion_error(leaving: dict[str, Any]) -> None:
+    row = leaving["rows"]["test_forged_record"]
+    assert row["outcome"] == "failed", leaving["output"][-3000:]
+    failure = row["failure"]
+    assert (failure["rank"], failure["kind"]) == (0, "crash"), failure
+    assert "RecursionError" not in failure["message"]
 
 
 def test_the_whole_run_limit_counts_a_ranks_worker_processes(leaving: dict[str, Any]) -> None:

@@ -93,7 +93,11 @@ def _launched_under(root: Path) -> list[int]:
 
 
 @pytest.mark.L0
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+@pytest.mark.parametrize(
+    "signum",
+    [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT],
+    ids=["sigterm", "ctrl-c", "sighup", "sigquit"],
+)
 def test_a_cancelled_session_records_the_test_as_interrupted_and_leaves_nothing(
     signum: int, tmp_path: Path
 ) -> None:
@@ -120,6 +124,64 @@ def test_a_cancelled_session_records_the_test_as_interrupted_and_leaves_nothing(
     time.sleep(1.0)  # the kernel reaps what the launcher killed
     assert [pid for pid in helpers if _alive(pid)] == []
     assert _launched_under(tmp_path) == []
+    if signum == signal.SIGQUIT:  # the stacks first: where the session was when it was asked
+        assert "the stack of every thread" in output, output[-3000:]
+        assert 'File "' in output and "in supervise" in output, output[-3000:]
+
+
+# A module-scoped fixture that launches ranks which wait: the session is stopped while the first
+# test's setup is still in the fixture, before any phase of it reported.
+IN_FIXTURE = textwrap.dedent(
+    """
+    import os, time
+    import pytest
+
+    from megatron_testkit.ranks import run_ranks
+
+
+    def wait(rank, world_size, ready):
+        with open(f"{ready}.{rank}", "w"):
+            pass
+        time.sleep(300)
+
+
+    @pytest.fixture(scope="module")
+    def trained():
+        return run_ranks(wait, 2, timeout=250, args=(os.environ["READY"],))
+
+
+    def test_uses_the_fixture(trained):
+        pass
+
+
+    def test_after_it(trained):
+        pass
+    """
+)
+
+
+@pytest.mark.L0
+def test_a_session_stopped_while_a_fixture_launches_ranks_records_the_test_as_interrupted(
+    tmp_path: Path,
+) -> None:
+    ready = tmp_path / "ready"
+    env = {**os.environ, "READY": str(ready)}
+    proc = _start(tmp_path, IN_FIXTURE, "--kit-report=reports", env=env)
+    try:
+        _wait_for([ready.with_name("ready.0"), ready.with_name("ready.1")], proc)
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, output[-3000:]
+    report = json.loads((tmp_path / "reports" / "kit-report.json").read_text())
+    rows = {row["nodeid"].split("::")[-1]: row for row in report["tests"]}
+    # Before: `tests: []`, and repro called the test "not run".
+    assert list(rows) == ["test_uses_the_fixture"], report["tests"]
+    assert rows["test_uses_the_fixture"]["outcome"] == "interrupted"
+    assert "SIGTERM" in rows["test_uses_the_fixture"]["failure"]["first_line"]
+    assert _launched_under(tmp_path) == []
 
 
 @pytest.mark.L0
@@ -128,6 +190,8 @@ def test_a_malformed_kit_variable_is_a_usage_error_naming_it(tmp_path: Path) -> 
         "KIT_RANK_TIMEOUT": "nan",  # would disable hang detection
         "KIT_HOST_MEMORY": "lots",  # was blamed on the first launch's test
         "KIT_SEED": "seven",  # was blamed on the first launch's test
+        "KIT_RANK_LOG_BYTES": "1KiB",  # could not hold one traceback
+        "KIT_GOLDEN_PLATFORM": "../../x",  # wrote a candidate outside the test's folder
         "KIT_STALL_WINDOW": "soon",  # would be blamed on the first launch's test
         "KIT_DEFAULT_RANK_MEMORY": "lots",  # admission's share of a rank without a budget
     }
@@ -138,6 +202,25 @@ def test_a_malformed_kit_variable_is_a_usage_error_naming_it(tmp_path: Path) -> 
         errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
         assert len(errors) == 1 and name in errors[0] and repr(value) in errors[0], (name, output[-2000:])
         assert "Traceback" not in output
+
+
+@pytest.mark.L0
+def test_a_report_folder_that_is_a_file_or_has_a_linked_logs_folder_is_a_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "reports" / "logs").symlink_to(tmp_path / "elsewhere")
+    for folder, says in (("afile", "cannot use it as a folder"), ("reports", "is a link")):
+        proc = _start(tmp_path, "def test_nothing():\n    pass\n", f"--kit-report={folder}")
+        output = proc.communicate(timeout=120)[0]
+        assert proc.returncode == pytest.ExitCode.USAGE_ERROR, output[-2000:]
+        errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
+        assert len(errors) == 1 and f"--kit-report={folder}" in errors[0] and says in errors[0], output[
+            -2000:
+        ]
+        assert "Traceback" not in output and "INTERNALERROR" not in output
+    assert (tmp_path / "afile").read_text() == "mine"
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 TWO_RANKS = textwrap.dedent(
@@ -200,9 +283,15 @@ def test_two_sessions_sharing_a_report_dir_keep_each_others_launches(tmp_path: P
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
-    report = json.loads((reports / "kit-report.json").read_text())  # the last session's
-    assert [row["nodeid"] for row in report["tests"]] == ["test_inner.py::test_ranks"]
-    first_logs = Path(report["tests"][0]["log_dir"])
+    # Both sessions' rows, merged under the folder's lock (the second finished first): before,
+    # the last session to finish overwrote the other's kit-report.json.
+    report = json.loads((reports / "kit-report.json").read_text())
+    assert [row["nodeid"] for row in report["tests"]] == [
+        "test_other.py::test_ranks",
+        "test_inner.py::test_ranks",
+    ]
+    assert [ref["first_test"] for ref in report["session"]["sessions"]] == [0, 1]
+    first_logs = Path(report["tests"][1]["log_dir"])
     assert (first_logs / "rank0.log").exists() and (first_logs / "rank1.log").exists()
 
 

@@ -11,7 +11,8 @@ what is free, and otherwise waits, first come first served, the wait recorded as
   `devices.rank_host_budget`), or `DEFAULT_RANK_BYTES` (``KIT_DEFAULT_RANK_MEMORY``) for a test
   that declares none. A share larger than the whole runner can never fit: `NeverFits` at once.
 - Over-commit is impossible by construction: every read-check-write of the ledger runs under an
-  exclusive ``flock`` of its lock file, and the entries of dead processes (pid and start time,
+  exclusive ``flock`` of its lock file (`safe_write.Folder.lock`; read by the bounded reader,
+  written atomically by the one writer), and the entries of dead processes (pid and start time,
   so a reused pid is not mistaken for its predecessor) are reclaimed by whoever reads next.
 - Where: the xdist controller (or a lone session) makes the ledger's folder, in the session's
   log folder under ``--kit-report`` or a temporary one otherwise, and names it to every process
@@ -26,7 +27,6 @@ control). Cores are shared, never waited for: a launch's ranks get the free core
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
@@ -38,7 +38,9 @@ from typing import Any
 
 import psutil
 
+from accounting.json_input import load_json
 from megatron_testkit.budgets import format_size, parse_size
+from megatron_testkit.safe_write import Folder
 
 __all__ = [
     "ADMISSION_ENV",
@@ -164,15 +166,14 @@ class Ledger:
     """The session's ledger in ``folder`` (``admission.json`` and its lock file)."""
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
-        self.folder = Path(folder)
+        self.files = Folder(folder, what="the admission ledger's folder")
+        self.folder = self.files.path
         self.path = self.folder / LEDGER_FILE
-        self.lock_path = self.folder / LOCK_FILE
 
     @classmethod
     def create(cls, folder: str | os.PathLike[str], cap: Capacity) -> Ledger:
         """The ledger in ``folder``, made with ``cap`` unless one is there (then it keeps its own)."""
         ledger = cls(folder)
-        ledger.folder.mkdir(parents=True, exist_ok=True)
         with ledger._locked():
             if not ledger.path.exists():
                 ledger._save(
@@ -192,23 +193,18 @@ class Ledger:
     # -- the file, under its lock -------------------------------------------------------------------
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with self.files.lock(LOCK_FILE):
             yield
-        finally:
-            os.close(fd)  # closing releases the lock
 
     def _load(self) -> dict[str, Any]:
-        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(_MAX_LEDGER_BYTES + 1)
-        if len(data) > _MAX_LEDGER_BYTES:
-            raise ValueError(f"{self.path}: over {_MAX_LEDGER_BYTES} bytes: not the kit's admission ledger")
-        ledger = json.loads(data)
+        ledger = load_json(self.path, limit=_MAX_LEDGER_BYTES, what="admission ledger", max_depth=8)
+        if not isinstance(ledger, dict):
+            raise ValueError(f"admission ledger {self.path} is not an object")
         for key, kind in (("limit_bytes", int), ("cores", int), ("entries", list), ("waiting", list)):
             if not isinstance(ledger.get(key), kind):
-                raise ValueError(f"{self.path}: field {key!r} is missing or not {kind.__name__}")
+                raise ValueError(
+                    f"admission ledger {self.path}: field {key!r} is missing or not {kind.__name__}"
+                )
         ledger.setdefault("sessions", {})
         ledger.setdefault("peak_bytes", 0)
         # Reclaim what dead processes held or waited for (a worker killed mid-launch).
@@ -217,11 +213,7 @@ class Ledger:
         return ledger
 
     def _save(self, ledger: dict[str, Any]) -> None:
-        tmp = self.folder / f".{LEDGER_FILE}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(ledger, f)
-        os.replace(tmp, self.path)
+        self.files.write_text(LEDGER_FILE, json.dumps(ledger))
 
     # -- reading -----------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -270,8 +262,10 @@ class Ledger:
                             f"{format_size(ledger['limit_bytes'])} ({ledger.get('source')}): it can never "
                             f"be admitted; lower memory_budget(host=...) or the world size"
                         )
+                    before = json.dumps(ledger)
                     ticket = self._try_admit(ledger, me, world_size, time.monotonic() - started)
-                    self._save(ledger)
+                    if json.dumps(ledger) != before:  # queued or admitted: else nothing to write
+                        self._save(ledger)
                 if ticket is not None:
                     return ticket
                 time.sleep(poll_s)

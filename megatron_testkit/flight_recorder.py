@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from accounting.json_input import JsonInputError, read_regular_file
+
 __all__ = [
     "DUMP_STEM",
     "Collective",
@@ -55,6 +57,8 @@ __all__ = [
 # File stem of the dumps and request pipes inside a launch's directory: rank r dumps to
 # `<stem>r` and listens on `<stem>r.pipe` (the same stem for both, as PyTorch's own tests do).
 DUMP_STEM = "nccl_flight_recorder_rank"
+# A dump holds at most the recorder's ring of entries (2000 by default) with their stacks: megabytes.
+MAX_DUMP_BYTES = 256 * 2**20
 # The monitor thread's poll interval the launcher asks for (PyTorch's default is 1000 ms): the
 # wait between a dump request and the kill is at least one poll.
 COORD_CHECK_MS = 250
@@ -165,7 +169,10 @@ def load_dump(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises ValueError naming the file when it is neither (e.g. still being written).
     """
-    data = Path(path).read_bytes()
+    try:  # bounded: a regular file (never a FIFO) of at most MAX_DUMP_BYTES
+        data = read_regular_file(path, MAX_DUMP_BYTES, "flight-recorder dump")
+    except JsonInputError as exc:
+        raise ValueError(str(exc)) from None
     try:
         loaded = _NoGlobals(io.BytesIO(data)).load()
     except Exception as pickle_error:

@@ -14,22 +14,26 @@ import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-from megatron_testkit.metrics import Comparison, MetricSeries, Number, TestMetrics
+from accounting.json_input import JsonInputError, load_json, printable
+from megatron_testkit.metrics import Comparison, MetricError, MetricSeries, Number, TestMetrics
+from megatron_testkit.safe_write import Folder
 
 GOLDEN_DIR = "golden"
 _COLUMNS = ("metric", "step", "golden", "got", "allowed")
+_INTEGER = re.compile(r"-?[0-9]+")
+# A golden file holds a few series of a few hundred steps: kilobytes; this is far past any.
+MAX_GOLDEN_BYTES = 16 * 2**20
+# A platform key is one file-name word: ``cpu-gloo``, ``h100-nccl`` (never a path).
+_PLATFORM = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+# What overrides the platform key (a runner the kit cannot name); checked by `check_platform`.
+PLATFORM_ENV = "KIT_GOLDEN_PLATFORM"
 
 
-PLATFORM_ENV = "KIT_GOLDEN_PLATFORM"  # names the platform where the kit cannot (a runner it cannot name)
-
-
-def platform_override(environ: Mapping[str, str] | None = None) -> str | None:
-    """``KIT_GOLDEN_PLATFORM`` when set (and not empty), else None."""
-    environ = os.environ if environ is None else environ
-    return environ.get(PLATFORM_ENV) or None
+class GoldenFileError(ValueError):
+    """A golden file, node id or platform key the kit refuses; one line naming the file or field."""
 
 
 def launch_platform(backend: str, device_name: str | None, environ: Mapping[str, str] | None = None) -> str:
@@ -99,6 +103,36 @@ def mcore_minor(version: str | None) -> str | None:
     return f"mcore{match.group(1)}.{match.group(2)}" if match else None
 
 
+def check_platform(platform: Any, source: str = "platform") -> str:
+    """A platform key as a golden file's name takes it: lowercase letters, digits and ``_.-``, at
+    most 64, no ``..``; `GoldenFileError` naming `source` (``KIT_GOLDEN_PLATFORM``, a report's
+    ``metrics.platform``) otherwise, so no key can move a file out of its folder."""
+    if not isinstance(platform, str) or not _PLATFORM.fullmatch(platform) or ".." in platform:
+        shown = printable(platform if isinstance(platform, str) else repr(platform), 80)
+        raise GoldenFileError(
+            f"{source} {shown!r} is not a platform key (lowercase letters, digits and _.-, e.g. cpu-gloo or h100-nccl)"
+        )
+    return platform
+
+
+def platform_override(environ: Mapping[str, str] | None = None) -> str | None:
+    """``KIT_GOLDEN_PLATFORM`` checked by `check_platform`, or None when it is unset."""
+    raw = (os.environ if environ is None else environ).get(PLATFORM_ENV, "")
+    return check_platform(raw, PLATFORM_ENV) if raw else None
+
+
+def check_test_module(module: str) -> str:
+    """A node id's test file as a path relative to the project root that stays inside it: no
+    absolute path, no ``..`` or empty component, a ``.py`` file; `GoldenFileError` otherwise."""
+    shown = printable(module, 200)
+    path = PurePosixPath(module)
+    if not module or "\0" in module or "\\" in module or path.is_absolute() or module.startswith("/"):
+        raise GoldenFileError(f"test file {shown!r} is not a path relative to the project root")
+    if any(part in ("", ".", "..") for part in module.split("/")) or path.suffix != ".py":
+        raise GoldenFileError(f"test file {shown!r} is not a .py file inside the project root")
+    return module
+
+
 def golden_stem(nodeid: str) -> tuple[str, str]:
     """``dir/test_mod.py::Class::test[p]`` -> (``dir/test_mod.py``, ``Class.test[p]``)."""
     module, _, name = nodeid.partition("::")
@@ -109,6 +143,7 @@ def golden_stem(nodeid: str) -> tuple[str, str]:
 
 def golden_paths(test_file: Path, test_name: str, platform: str, megatron_core: str | None) -> list[Path]:
     """Where a test's golden file may be, most specific first (the release's, then the platform's)."""
+    check_platform(platform)
     directory = test_file.parent / GOLDEN_DIR / test_file.stem
     name = re.sub(r"[^A-Za-z0-9._\[\]-]+", "_", test_name)
     minor = mcore_minor(megatron_core)
@@ -144,20 +179,36 @@ def golden_json(nodeid: str, metrics: TestMetrics, torch_version: str | None = N
     return {"test": nodeid, "platform": metrics.platform, "made_with": made_with, "series": series}
 
 
-def write_golden(path: Path, content: dict[str, Any]) -> None:
-    """Write one golden file (sorted series, 2-space JSON, a final newline)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(content, indent=2) + "\n")
+def write_golden(path: Path, content: dict[str, Any]) -> Path:
+    """Write one golden file (sorted series, 2-space JSON, a final newline) through the kit's
+    writer: contained in the test's ``golden/`` folder (``<golden>/<module>/<file>``, the layout
+    `golden_paths` makes), no link followed below it, atomic. `WriteRefused` in one line otherwise."""
+    folder = Folder(path.parent.parent, what="golden folder")
+    return folder.write_text(
+        f"{path.parent.name}/{path.name}", json.dumps(content, indent=2, allow_nan=False) + "\n"
+    )
 
 
 def read_golden(path: Path) -> TestMetrics:
-    """A golden file's series; a ValueError names the file when it is not one."""
+    """A golden file's series, read by the bounded reader and checked field by field (finite
+    values, plain names, ASCII steps); `GoldenFileError` naming the file and the field otherwise."""
     try:
-        data = json.loads(path.read_text())
-        core = (data.get("made_with") or {}).get("megatron_core")
-        return TestMetrics.from_json({"platform": data.get("platform"), "megatron_core": core, **data})
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ValueError(f"{path}: not a golden file ({exc})") from None
+        data = load_json(path, limit=MAX_GOLDEN_BYTES, what="golden file")
+    except JsonInputError as exc:
+        raise GoldenFileError(str(exc)) from None
+    shown = printable(str(path), 300)
+    try:
+        if not isinstance(data, dict):
+            raise MetricError("not an object with 'series'")
+        made_with = data.get("made_with") or {}
+        if not isinstance(made_with, dict):
+            raise MetricError("made_with is not an object")
+        core = made_with.get("megatron_core")
+        return TestMetrics.from_json(
+            {"platform": data.get("platform"), "megatron_core": core, "series": data.get("series")}, "golden"
+        )
+    except (MetricError, TypeError) as exc:
+        raise GoldenFileError(f"{shown}: not a golden file ({printable(str(exc), 300)})") from None
 
 
 @dataclass(frozen=True)
@@ -211,12 +262,15 @@ def _compare_series(name: str, want: MetricSeries, have: MetricSeries, platform:
 
 
 def sorted_steps(steps: Any) -> list[str]:
-    """Steps in numeric order, then labels (``rank0``...) in text order."""
-    return sorted(steps, key=lambda s: (0, int(s), "") if s.lstrip("-").isdigit() else (1, 0, s))
+    """Steps in numeric order, then labels (``rank0``...) in text order (ASCII digits only count
+    as numbers: ``"²"`` is a digit to `str.isdigit` and not to `int`)."""
+    return sorted(steps, key=lambda s: (0, int(s), "") if _INTEGER.fullmatch(s) else (1, 0, s))
 
 
 def format_table(rows: list[tuple[str, ...]], columns: tuple[str, ...] = _COLUMNS) -> str:
-    """A plain-text table with a header line."""
+    """A plain-text table with a header line; every cell escaped (`printable`): names and steps come
+    from reports and golden files, which may hold escape sequences."""
+    rows = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
     lines = [columns, tuple("-" * w for w in widths), *rows]
     return "\n".join(

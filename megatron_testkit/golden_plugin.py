@@ -24,6 +24,7 @@ import pytest
 from megatron_testkit import attribution, golden, metrics
 from megatron_testkit.golden_candidates import UPDATE_COMMAND
 from megatron_testkit.metrics import MetricsRecorder, TestMetrics
+from megatron_testkit.safe_write import WriteRefused
 
 PLATFORM_ENV = golden.PLATFORM_ENV  # overrides the platform key (a runner the kit cannot name)
 _RECORDER = pytest.StashKey[MetricsRecorder]()
@@ -66,12 +67,18 @@ def kit_metrics(request: pytest.FixtureRequest) -> Iterator[MetricsRecorder]:
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     """After the test body: collect what ranks recorded; compare when the body passed."""
     recorder = item.stash.get(_RECORDER, None)
+    refused: ValueError | None = None
     try:
         result = yield
     finally:
         if recorder is not None:
-            recorder.collect_ranks()
+            try:
+                recorder.collect_ranks()
+            except (ValueError, TypeError) as exc:  # a rank's line the kit refuses (named in it)
+                refused = ValueError(str(exc))
             item.stash[_METRICS] = TestMetrics(_platform(item), _version("megatron-core"), recorder.series)
+    if refused is not None:
+        pytest.fail(f"kit metrics: {refused}", pytrace=False)
     if recorder is not None and recorder.series:
         check(item.nodeid, item.path, item.stash[_METRICS])
     return result
@@ -100,14 +107,22 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def check(nodeid: str, test_file: str | os.PathLike, found: TestMetrics) -> None:
-    """Compare ``found`` with the test's golden file; raises `GoldenMismatch`, or writes a candidate."""
+    """Compare ``found`` with the test's golden file; raises `GoldenMismatch`, or writes a candidate.
+
+    A platform key that is not one (``KIT_GOLDEN_PLATFORM=../x``), a malformed golden file or a
+    candidate path the writer refuses (a link) fails the test in one line naming it."""
     _, name = golden.golden_stem(nodeid)
-    paths = golden.golden_paths(Path(test_file), name, found.platform, found.megatron_core)
-    path = golden.find_golden(paths)
-    if path is None:
-        _missing(nodeid, paths[-1], found)
-        return
-    want = golden.read_golden(path)
+    try:
+        source = PLATFORM_ENV if os.environ.get(PLATFORM_ENV) else "platform"
+        golden.check_platform(found.platform, source)
+        paths = golden.golden_paths(Path(test_file), name, found.platform, found.megatron_core)
+        path = golden.find_golden(paths)
+        if path is None:
+            _missing(nodeid, paths[-1], found)
+            return
+        want = golden.read_golden(path)
+    except (golden.GoldenFileError, WriteRefused) as exc:
+        pytest.fail(f"golden values: {exc}", pytrace=False)
     rows = golden.compare(want, found, platform=found.platform)
     if rows:
         raise GoldenMismatch(golden.mismatch_message(nodeid, path, rows, _release_note(want, found)))

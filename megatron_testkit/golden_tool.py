@@ -11,13 +11,14 @@ megatron_testkit.golden_tool``); this repository calls it as ``python -m ci gold
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from accounting.json_input import printable
 from megatron_testkit import golden
 from megatron_testkit.metrics import Comparison, Number, TestMetrics
-from megatron_testkit.schema import Report, SchemaError, TestEntry
+from megatron_testkit.safe_write import WriteRefused
+from megatron_testkit.schema import Report, ReportError, TestEntry, read_report
 
 
 class UsageError(ValueError):
@@ -44,19 +45,20 @@ def run(args: argparse.Namespace, prog: str = "golden") -> int:
         if args.golden_command == "update":
             return update(load_report(args.report), Path(args.root), dry_run=args.dry_run)
         return diff(load_report(args.a), load_report(args.b))
-    except UsageError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+    except (UsageError, golden.GoldenFileError, WriteRefused) as exc:
+        print(f"{prog}: error: {printable(str(exc), 600)}", file=sys.stderr)
         return 2
 
 
 def load_report(path: str) -> Report:
-    """A kit report from ``path``; `UsageError` when it is missing or not one."""
+    """A kit report from ``path`` through the kit's one bounded report reader (`schema.read_report`);
+    `UsageError` in one line when it is missing, not a regular file, too large or not one."""
     try:
-        return Report.from_json(json.loads(Path(path).read_text()))
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    except (ValueError, SchemaError) as exc:
-        raise UsageError(f"{path}: {exc}") from None
+        return read_report(path)
+    except ReportError as exc:
+        if exc.strerror:
+            raise UsageError(f"cannot read {printable(path, 300)}: {exc.strerror}") from None
+        raise UsageError(str(exc)) from None
 
 
 def _refreshable(entry: TestEntry) -> bool:
@@ -70,13 +72,28 @@ def update(report: Report, root: Path, *, dry_run: bool = False) -> int:
     if not entries:
         raise UsageError("the report has no test with recorded metrics")
     for entry in entries:
+        # Every test's target is checked before anything is written: a report is untrusted, and a
+        # node id or platform that would put a file outside the test's golden/ folder refuses it.
+        _check_target(entry)
+    for entry in entries:
         if not _refreshable(entry):
             kind = entry.failure.kind if entry.failure else None
-            print(f"{entry.nodeid}: not refreshed ({entry.outcome}{f', {kind}' if kind else ''})")
+            print(f"{printable(entry.nodeid)}: not refreshed ({entry.outcome}{f', {kind}' if kind else ''})")
             continue
         torch_version = report.session.get("torch")
         print(_update_one(entry.nodeid, entry.metrics, root, torch_version, dry_run))
     return 0
+
+
+def _check_target(entry: TestEntry) -> None:
+    """`UsageError` naming the test when its node id or platform is not one a golden file takes."""
+    assert entry.metrics is not None
+    try:
+        module, _ = golden.golden_stem(entry.nodeid)
+        golden.check_test_module(module)
+        golden.check_platform(entry.metrics.platform, "metrics.platform")
+    except ValueError as exc:
+        raise UsageError(f"refused {printable(entry.nodeid, 200)!r}: {exc}") from None
 
 
 def target_path(nodeid: str, metrics: TestMetrics, root: Path) -> tuple[Path | None, TestMetrics | None]:
@@ -102,15 +119,17 @@ def _update_one(
     nodeid: str, metrics: TestMetrics, root: Path, torch_version: str | None, dry_run: bool
 ) -> str:
     path, current = target_path(nodeid, metrics, root)
+    shown = printable(nodeid)
     if path is None:
-        return f"{nodeid}: unchanged (the platform's file holds for megatron-core {metrics.megatron_core})"
-    changes = _changes(current, metrics)
+        core = printable(str(metrics.megatron_core), 40)
+        return f"{shown}: unchanged (the platform's file holds for megatron-core {core})"
+    changes = [printable(line) for line in _changes(current, metrics)]
     if current is not None and not changes:
-        return f"{nodeid}: unchanged ({path})"
+        return f"{shown}: unchanged ({path})"
     if not dry_run:
         golden.write_golden(path, golden.golden_json(nodeid, metrics, torch_version))
     verb = "would write" if dry_run else "wrote"
-    head = f"{nodeid}: {verb} {path}" + (" (new file)" if current is None else f" ({len(changes)} changed)")
+    head = f"{shown}: {verb} {path}" + (" (new file)" if current is None else f" ({len(changes)} changed)")
     return "\n".join([head, *(f"  {line}" for line in changes)])
 
 
@@ -192,7 +211,7 @@ def diff(a: Report, b: Report) -> int:
         print("no differences in recorded metrics")
         return 0
     for nodeid, rows in by_test.items():
-        print(f"{nodeid}\n{golden.format_table(rows, _DIFF_COLUMNS)}\n")
+        print(f"{printable(nodeid)}\n{golden.format_table(rows, _DIFF_COLUMNS)}\n")
     outside = sum(r[-1].startswith("outside") for rows in by_test.values() for r in rows)
     total = sum(len(rows) for rows in by_test.values())
     print(f"{total} value(s) differ in {len(by_test)} test(s); {outside} outside their comparison")

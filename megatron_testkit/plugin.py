@@ -12,9 +12,10 @@ What it does for every test:
 - guards the shared session (`kit_leak_guard`, autouse) on tests that launched ranks, are marked
   ``world_size`` or ``leak_guard``, or on every test with ``kit_leak_guard = all`` (ini; ``off``
   disables it): no child process and no initialised default process group may outlive the test;
-- turns SIGTERM (a CI cancel, torchrun's agent) into a KeyboardInterrupt, as Ctrl-C: the ranks and
-  their helpers are killed, the test is recorded as ``interrupted`` with the session's exit status,
-  and the report and junit are written;
+- turns SIGTERM (a CI cancel, torchrun's agent) and SIGHUP (a closed terminal or SSH session) into
+  a KeyboardInterrupt, as Ctrl-C, and SIGQUIT too after dumping every thread's stack: the ranks and
+  their helpers are killed, the test is recorded as ``interrupted`` with the session's exit status
+  (one stopped while its fixtures launched ranks as well), and the report and junit are written;
 - parses every ``KIT_*`` variable the kit reads at configuration (a bad value is a usage error);
 - keeps one memory-admission ledger for the whole session (`megatron_testkit.admission`), made by
   the controller (in the session's log folder under ``--kit-report``, else a temporary folder) and
@@ -54,6 +55,7 @@ from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
 from megatron_testkit.report import ReportCollector, build_report, format_table, write_report
 from megatron_testkit.report_dir import SessionLogs
+from megatron_testkit.safe_write import WriteRefused
 from megatron_testkit.schema import Session
 
 # The one list of the kit's markers (registered below; pyproject keeps no copy).
@@ -76,7 +78,7 @@ _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
 _SAVED_ROOTS = pytest.StashKey[tuple]()
 _WORKER_LOG_ROOT = "kit_log_root"  # this session's log folder, handed to xdist workers
 _WORKER_LEDGER = "kit_admission_dir"  # this session's admission ledger, handed to xdist workers
-_SAVED_SIGTERM = pytest.StashKey[Any]()
+_SAVED_SIGNALS = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -112,8 +114,12 @@ class _KitSession:
         self.rss_start = _rss()
         option = config.getoption("--kit-report")
         self.report_dir = Path(config.invocation_params.dir, option).resolve() if option else None
-        self.logs = SessionLogs(self.report_dir) if self.report_dir is not None else None
+        try:
+            self.logs = SessionLogs(self.report_dir) if self.report_dir is not None else None
+        except WriteRefused as exc:  # a file, a read-only folder, a link below it
+            raise pytest.UsageError(f"--kit-report={option}: {exc}") from None
         self.report: dict[str, Any] | None = None
+        self.written: Any = None  # the ReportFiles written, or the one-line reason they were not
         self.interrupted_by = "interrupted"
         self.ledger, self.own_ledger_dir, self.saved_ledger_env = self.open_ledger()
         self.session_id = uuid.uuid4().hex
@@ -177,6 +183,11 @@ class _KitSession:
         self.interrupted_by = f"interrupted ({excinfo.exconly().strip()})"
 
     # Hooks: this object is registered as a plugin on the reporting process only.
+    def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+        # A test stopped before its first phase reported (a signal while a fixture launches
+        # ranks) has a row to be marked `interrupted`; without one, repro read it as "not run".
+        self.collector.start(nodeid)
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.collector.add(report)
 
@@ -189,7 +200,14 @@ class _KitSession:
             self.collector.interrupt(self.interrupted_by)
         self.report = build_report(self.session_header(int(exitstatus)), self.collector.rows_json())
         if self.report_dir is not None:
-            write_report(self.report, self.report_dir)
+            try:
+                self.written = write_report(self.report, self.report_dir)
+            except (
+                WriteRefused,
+                ValueError,
+            ) as exc:  # a full disk, a link: the previous report is left whole
+                self.written = f"kit: the report was not written: {exc}"
+                sys.stderr.write(self.written + "\n")
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         if self.report is None:
@@ -197,9 +215,24 @@ class _KitSession:
         if not any(row["world_size"] for row in self.report["tests"]) and self.report_dir is None:
             return  # no ranks and no --kit-report: nothing worth a table
         terminalreporter.write_sep("=", "kit report: ranks, peaks, budgets")
-        terminalreporter.write_line(format_table(self.report, written=self.report_dir is not None))
-        if self.report_dir is not None:
-            terminalreporter.write_line(f"kit report written to {self.report_dir}/kit-report.{{json,md}}")
+        written = not isinstance(self.written, str)
+        terminalreporter.write_line(
+            format_table(self.report, written=self.report_dir is not None and written)
+        )
+        if self.report_dir is None:
+            return
+        if not written:
+            terminalreporter.write_line(self.written, red=True)
+            return
+        for note in self.written.notes:
+            terminalreporter.write_line(f"kit: {note}", yellow=True)
+        merged = ""
+        if self.written.sessions > 1:
+            merged = (
+                f" (with {self.written.sessions - 1} earlier session(s) of the folder, every row kept; "
+                "delete kit-report.json to start afresh)"
+            )
+        terminalreporter.write_line(f"kit report written to {self.report_dir}/kit-report.{{json,md}}{merged}")
 
     def session_header(self, exit_status: int | None = None) -> dict[str, Any]:
         from megatron_testkit.ranks import cuda_device_count
@@ -276,7 +309,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(kit_session, "kit-session-report")
         if kit_session.logs is not None:
             attribution.set_log_root(str(kit_session.logs.path))
-    config.stash[_SAVED_SIGTERM] = _sigterm_as_interrupt()
+    config.stash[_SAVED_SIGNALS] = _stop_signals_as_interrupt(config)
 
 
 def _register_skip_policy(config: pytest.Config) -> None:
@@ -292,10 +325,12 @@ def _register_skip_policy(config: pytest.Config) -> None:
 def _check_kit_environment() -> None:
     """Parse every ``KIT_*`` variable the kit reads, now: a bad value is a one-line usage error
     naming it, not an abort at import nor a failure blamed on the first test or rank."""
-    from megatron_testkit import devices, ranks, runner_limit
+    from megatron_testkit import devices, golden, rank_log, ranks, runner_limit
 
     checks = (
         ranks.default_timeout,
+        golden.platform_override,
+        rank_log.log_cap,
         runner_limit.host_memory_limit,
         lambda: devices.device_memory_cap(None),
         lambda: devices.host_budget(1, cuda=True),
@@ -321,26 +356,44 @@ def _check_rank_cgroup() -> None:
         raise ValueError(f"{RANK_CGROUP_ENV}={raw!r}: not a cgroup directory (no cgroup.procs in it)")
 
 
-def _sigterm_as_interrupt() -> Any:
-    """SIGTERM as Ctrl-C: how CI runners cancel a job and how torchrun's agent stops the ranks
-    left when one fails. As a KeyboardInterrupt, the launcher kills the ranks and their helpers
-    and pytest ends the session, writing the report and junit. Later SIGTERMs are ignored while
-    that cleanup runs. Only a default handler is replaced (never one the project set); returns
-    the handler to restore, or None."""
+# The signals that stop a session the way Ctrl-C does: a CI cancel or torchrun's agent (SIGTERM), a
+# closed terminal or SSH session (SIGHUP), and SIGQUIT (Ctrl-\\), which dumps every thread's stack first.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _stop_signals_as_interrupt(config: pytest.Config) -> dict[int, Any]:
+    """SIGTERM, SIGHUP and SIGQUIT as Ctrl-C. As a KeyboardInterrupt, the launcher kills the ranks
+    and their helpers and pytest ends the session, writing the report and junit. Later stop
+    signals are ignored while that cleanup runs. Only a default handler is replaced (never one
+    the project set); returns the handlers to restore."""
     from megatron_testkit.ranks import in_torchrun
 
     if threading.current_thread() is not threading.main_thread():
-        return None
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return None
+        return {}
     source = " from the torchrun agent" if in_torchrun() else ""
+    saved: dict[int, Any] = {}
 
     def interrupt(signum: int, frame: Any) -> None:
         # A Python handler, not SIG_IGN: an ignored signal would stay ignored in processes spawned later.
-        signal.signal(signal.SIGTERM, lambda *_: None)
-        raise KeyboardInterrupt(f"signal {signum} (SIGTERM){source}")
+        for stop in saved:
+            signal.signal(stop, lambda *_: None)
+        name = signal.Signals(signum).name
+        if signum == signal.SIGQUIT:
+            import faulthandler
 
-    return signal.signal(signal.SIGTERM, interrupt)
+            # To the terminal or the CI log, not into the running test's captured output.
+            capman = config.pluginmanager.getplugin("capturemanager")
+            uncaptured = capman.global_and_fixture_disabled() if capman else contextlib.nullcontext()
+            with contextlib.suppress(Exception), uncaptured:
+                sys.stderr.write(f"kit: {name}: the stack of every thread, then the session stops\n")
+                sys.stderr.flush()
+                faulthandler.dump_traceback(all_threads=True)
+        raise KeyboardInterrupt(f"signal {signum} ({name}){source if signum == signal.SIGTERM else ''}")
+
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            saved[signum] = signal.signal(signum, interrupt)
+    return saved
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -348,9 +401,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if saved is not None:
         attribution.set_log_root(saved[0])
         attribution.set_scratch_root(saved[1])
-    previous = config.stash.get(_SAVED_SIGTERM, None)
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
+    for signum, previous in config.stash.get(_SAVED_SIGNALS, {}).items():
+        signal.signal(signum, previous)
     kit_session = config.pluginmanager.get_plugin("kit-session-report")
     if kit_session is not None:
         kit_session.close_ledger()

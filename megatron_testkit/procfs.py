@@ -112,7 +112,8 @@ def command_line(pid: int, limit: int = 160) -> str:
     """``"pid 123: python -c ..."`` for messages (the process' arguments, clipped)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            text = " ".join(f.read().decode(errors="replace").split())  # arguments and newlines as spaces
+            # Arguments (NUL-separated) and any whitespace as single spaces; no NUL byte is kept.
+            text = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
     except OSError:
         text = "(gone)"
     return f"pid {pid}: {text[:limit]}"

@@ -4,22 +4,75 @@ Each rank starts in its own session, so its process group holds the rank and eve
 starts without a new session (dist_checkpointing's multiprocessing Manager and resource_tracker
 among them). Killing the group ends the lot, even after the rank itself has died and its helpers
 were re-parented. A snapshot of descendants taken while the rank lived catches helpers that left
-the group (daemons calling setsid); a daemon that double-forked between two snapshots is found by
-the launch's marker, which every process a rank starts inherits in its environment (`marked`).
+the group (daemons calling setsid). A process cannot opt out of the rest: every rank, and the
+launcher while it launches, is a child subreaper (``PR_SET_CHILD_SUBREAPER``, Linux), so an orphan
+anywhere below a rank re-parents to the rank (counted in its memory, found as its descendant) and,
+once the rank is gone, to the launcher (found as one of its new children: `adopted_since`). The
+launch's marker in the environment (`marked`) is a second net that a process can drop (``env -i``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
+import threading
 import time
 
 import psutil
 
+from megatron_testkit import procfs
+
 # The multiprocessing infrastructure processes are singletons reused for the whole session: they
 # are not leaks of a test, and killing them would break the next user of multiprocessing.
 _INFRASTRUCTURE = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+_subreaper_lock = threading.Lock()
+_subreaper_holders = 0
+
+
+def set_child_subreaper(on: bool) -> bool:
+    """Make this process a child subreaper (or stop being one); False where the platform has none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def hold_subreaper() -> None:
+    """This process adopts its descendants' orphans until as many `release_subreaper` calls (one
+    per launch: launches may overlap in threads); processes outside launches re-parent as before."""
+    global _subreaper_holders
+    with _subreaper_lock:
+        if _subreaper_holders == 0:
+            set_child_subreaper(True)
+        _subreaper_holders += 1
+
+
+def release_subreaper() -> None:
+    """The end of one `hold_subreaper`; the last one turns adoption off (adopted children stay)."""
+    global _subreaper_holders
+    with _subreaper_lock:
+        _subreaper_holders = max(0, _subreaper_holders - 1)
+        if _subreaper_holders == 0:
+            set_child_subreaper(False)
+
+
+def adopted_since(before: set[int], own: set[int]) -> list[int]:
+    """This process' children that were not its children in `before` and are not in `own` (the
+    ranks it spawned): orphans of a launch re-parented here while it was a subreaper."""
+    return [pid for pid in procfs.children() if pid not in before and pid not in own]
+
+
+def reap(pids: list[int]) -> None:
+    """Collect the exit status of the given children that have exited (no zombie is left)."""
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
 
 
 def descendants(pid: int) -> list[psutil.Process]:

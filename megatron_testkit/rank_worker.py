@@ -314,6 +314,16 @@ def _flush_and_exit(code: int) -> None:
     os._exit(code)
 
 
+def _adopt_orphans() -> None:
+    """Become a child subreaper (Linux): an orphan anywhere below this rank (a daemon that
+    double-forked, left its session and cleared its environment) re-parents to the rank, so its
+    memory counts in the rank's budget and the launcher finds it. Without it (other platforms)
+    the launcher's other nets remain."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
 def _die_with_parent(launcher: int | None) -> None:
     """Ask the kernel to SIGKILL this rank if the launching process dies (Linux only).
 
@@ -480,6 +490,7 @@ def main() -> None:
     """Entry point: ``main()`` with ``KIT_RANK_SPEC`` and ``RANK`` in the environment."""
     launcher = os.environ.get(LAUNCHER_ENV)
     _die_with_parent(int(launcher) if launcher and launcher.isdigit() else None)
+    _adopt_orphans()
     with open(os.environ["KIT_RANK_SPEC"]) as f:
         spec = json.load(f)
     run(spec, int(os.environ["RANK"]))

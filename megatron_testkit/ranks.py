@@ -5,8 +5,10 @@ its own session so that its whole process tree can be killed. They rendezvous th
 FileStore in the launch's directory, so parallel pytest workers never compete for a port. The
 parent polls them; the first failure tears the others down, and `megatron_testkit.diagnosis` turns what
 they left behind into a `RankFailure` that leads with the root cause. Every process a launch starts
-carries its marker (``KIT_RANK_SPEC``) in its environment: whatever still carries it when the launch
-ends (a double-forked daemon included) is killed and counted as leaked.
+carries its marker (``KIT_RANK_SPEC``) in its environment, and each rank (and the launcher while
+it launches) adopts the orphans below it (``PR_SET_CHILD_SUBREAPER``): whatever is left when the
+launch ends, a double-forked daemon that cleared its environment included, is killed and counted
+as leaked. Each rank's output goes through a pipe into its capped log (`megatron_testkit.rank_log`).
 
 Under ``torchrun`` (RANK and WORLD_SIZE set by an elastic agent) nothing is spawned: the
 function runs in this process on this rank, so the same tests run as multi-node jobs.
@@ -28,10 +30,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import psutil
 
+from accounting.json_input import JsonInputError, load_json
 from megatron_testkit import (
     admission,
     attribution,
@@ -39,12 +42,15 @@ from megatron_testkit import (
     flight_recorder,
     procfs,
     proctree,
+    rank_log,
     rank_worker,
     runner_limit,
     stall,
 )
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
+from megatron_testkit.rank_log import CappedLog
+from megatron_testkit.safe_write import Folder
 from megatron_testkit.schema import Run
 
 __all__ = [
@@ -68,6 +74,10 @@ _POLL_S = 0.05
 # How often the launcher reads the ranks' positions (set-up done, collective, CPU) for stalls.
 _POSITION_S = 0.25
 _LOG_TAIL_LINES = 40
+# A rank's record is its own JSON, a few kB; a traceback or a huge exception message is clipped
+# here rather than read whole (the record is untrusted: the rank ran arbitrary code).
+_MAX_RECORD_BYTES = 16 * 2**20
+_MAX_TEXT = 1 << 20
 
 _BOOTSTRAP = (
     "import json, os, sys\n"
@@ -226,18 +236,14 @@ IDLE_FOOTPRINT = IdleFootprint()
 
 
 def _run_dir(test_id: str | None, log_root: str | None) -> tuple[Path, bool]:
-    """The launch's directory, and whether it is kept (True under --kit-report)."""
+    """The launch's directory, and whether it is kept (True under --kit-report).
+
+    Under --kit-report it is made in the session's folder by the kit's writer: atomically (two
+    launches of one test id never share a directory) and never through a link.
+    """
     if log_root:
-        base = Path(log_root) / attribution.sanitise(test_id or "outside-pytest")
-        base.parent.mkdir(parents=True, exist_ok=True)
-        path, n = base, 1
-        while True:
-            try:
-                path.mkdir()  # atomic: two launches of one test id never share a directory
-                return path, True
-            except FileExistsError:
-                n += 1
-                path = base.with_name(f"{base.name}.{n}")
+        folder = Folder(log_root, what="the session's log folder")
+        return folder.make_unique_dir(attribution.sanitise(test_id or "outside-pytest")), True
     scratch = attribution.scratch_root()
     if scratch:
         Path(scratch).mkdir(parents=True, exist_ok=True)
@@ -274,15 +280,41 @@ def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, 
     return child
 
 
-def _read_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A rank's record (``rank<N>.json``) through the bounded reader, its fields typed; None when
+    it is missing, and ``{"unreadable": why}`` when it is not a record the kit wrote (forged: deep
+    nesting, NaN, wrong types), so the rank is diagnosed from its exit, never with a traceback."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
+        data = load_json(path, limit=_MAX_RECORD_BYTES, what="rank record", max_depth=8)
+    except JsonInputError as exc:
+        if exc.strerror and not path.exists():
+            return None
+        return {"unreadable": str(exc)}
+    if not isinstance(data, dict):
+        return {"unreadable": f"rank record {path} is not an object"}
+    out: dict[str, Any] = {}
+    for key in (
+        "exc_type",
+        "exc_message",
+        "traceback",
+        "kind_hint",
+        "last_collective",
+        "peak_process",
+        "status",
+        "device",
+        "platform",
+    ):
+        value = data.get(key)
+        out[key] = value[:_MAX_TEXT].replace("\0", " ") if isinstance(value, str) else None
+    for key in ("collective_seq", "peak_host_bytes", "peak_device_bytes", "idle_host_bytes"):
+        value = data.get(key)
+        out[key] = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    for key in ("time", "ready_at"):
+        when = data.get(key)
+        out[key] = float(when) if isinstance(when, int | float) and not isinstance(when, bool) else None
+    in_function = data.get("in_function", True)
+    out["in_function"] = in_function if isinstance(in_function, bool) else True
+    return out
 
 
 @dataclass
@@ -291,7 +323,7 @@ class _RankProcess:
 
     rank: int
     proc: subprocess.Popen
-    log: IO[bytes]
+    log: CappedLog
     status: str = "running"  # running, ok, failed, torn_down, hung
     exit_time: float | None = None
     sampled_peak: int | None = None
@@ -339,37 +371,45 @@ class _RankProcess:
         rec.log_path = str(run_dir / f"rank{self.rank}.log")
         rec.peak_host_bytes = self.sampled_peak
         rec.peak_process = self.peak_process
-        path = run_dir / f"rank{self.rank}.json"
-        if rc == 0 and not path.exists():
+        data = _read_record(run_dir / f"rank{self.rank}.json")
+        if rc == 0 and (data is None or "unreadable" in data):
             # Exited with status 0 but never got to write its record: it did not return.
             rec.status = "failed"
-        if path.exists():
-            data = json.loads(path.read_text())
+        if data is not None and "unreadable" in data:
+            rec.status = "failed" if rec.status == "ok" else rec.status
+            rec.extra["record"] = data["unreadable"]
+        elif data is not None:
             for key in ("exc_type", "exc_message", "traceback", "kind_hint", "last_collective"):
-                setattr(rec, key, data.get(key))
-            rec.collective_seq = data.get("collective_seq") or 0
-            rec.time = data.get("time", rec.time)
-            rec.peak_host_bytes = max(data.get("peak_host_bytes") or 0, rec.peak_host_bytes or 0) or None
-            rec.peak_process = data.get("peak_process") or rec.peak_process
-            rec.peak_device_bytes = data.get("peak_device_bytes")
+                setattr(rec, key, data[key])
+            rec.collective_seq = data["collective_seq"] or 0
+            rec.time = data["time"] if data["time"] is not None else rec.time
+            rec.peak_host_bytes = max(data["peak_host_bytes"] or 0, rec.peak_host_bytes or 0) or None
+            rec.peak_process = data["peak_process"] or rec.peak_process
+            rec.peak_device_bytes = data["peak_device_bytes"]
             for key in ("device", "platform"):  # the rank's own device and the platform it named
-                rec.extra[key] = data[key] if isinstance(data.get(key), str) else None
-            rec.extra["in_function"] = data.get("in_function", True)
-            rec.extra["idle_host_bytes"] = data.get("idle_host_bytes")
-            rec.extra["ready_at"] = data.get("ready_at")
-            if data.get("status") == "failed" and rec.status in ("ok", "torn_down", "hung"):
+                rec.extra[key] = data[key]
+            rec.extra["in_function"] = data["in_function"]
+            rec.extra["idle_host_bytes"] = data["idle_host_bytes"]
+            rec.extra["ready_at"] = data["ready_at"]
+            if data["status"] == "failed" and rec.status in ("ok", "torn_down", "hung"):
                 rec.status = "failed"
         else:
             with contextlib.suppress(OSError, ValueError):
-                state = json.loads((run_dir / f"rank{self.rank}.state").read_text().strip() or "{}")
-                rec.last_collective = state.get("last_collective")
-                rec.collective_seq = state.get("seq") or 0
-                rec.extra["ready_at"] = state.get("ready_at")
-        with contextlib.suppress(OSError):
-            rec.stack = (run_dir / f"rank{self.rank}.stacks").read_text().strip() or None
+                with open(run_dir / f"rank{self.rank}.state", "rb") as f:
+                    state = json.loads(f.read(4096).decode(errors="replace").strip() or "{}")
+                if isinstance(state, dict):
+                    last, seq = state.get("last_collective"), state.get("seq")
+                    rec.last_collective = last if isinstance(last, str) else None
+                    rec.collective_seq = seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
+                    ready = state.get("ready_at")
+                    rec.extra["ready_at"] = (
+                        ready if isinstance(ready, int | float) and not isinstance(ready, bool) else None
+                    )
+        with contextlib.suppress(OSError), open(run_dir / f"rank{self.rank}.stacks", "rb") as f:
+            rec.stack = f.read(_MAX_TEXT).decode(errors="replace").strip() or None
         # A rank killed without a record (NCCL's watchdog aborts with SIGABRT) is diagnosed
         # from what it printed last; the message shows every rank's last lines on failure.
-        rec.log_tail = _read_tail(Path(rec.log_path))
+        rec.log_tail = "\n".join(self.log.tail_text().splitlines()[-_LOG_TAIL_LINES:])
         killed = runner_limit.read_memory_kill(run_dir, self.rank)
         if killed is not None and rec.status == "failed" and not rec.exc_type:
             # Killed for the runner's memory by the launcher or by `ci repro`'s watcher, who said so first.
@@ -447,6 +487,8 @@ class _Launch:
         self.ledger = admission.session_ledger()
         self.ticket: admission.Ticket | None = None
         self.stall_verdict: stall.Stall | None = None
+        self.subreaper = False  # this process adopts orphans from `start` to `close`
+        self.children_before: set[int] = set()
         self.started = time.time()
 
     def admission_share(self) -> int:
@@ -487,18 +529,25 @@ class _Launch:
         }
 
     def start(self) -> None:
-        """Once admitted, spawn every rank in its own session, its output going to ``rank<N>.log``."""
+        """Once admitted, spawn every rank in its own session, its output going through a pipe to ``rank<N>.log``
+        (capped: `megatron_testkit.rank_log`); from now until `close` this process adopts the
+        orphans the ranks leave (`proctree.hold_subreaper`)."""
         threads = self.admit()
         self.spec_path.write_text(json.dumps(self._spec(self.fn, threads)))
         self.spawned, self.spawned_at = time.monotonic(), time.time()
+        cap = rank_log.log_cap()
+        proctree.hold_subreaper()
+        self.subreaper = True
+        self.children_before = set(procfs.children())
+        folder = Folder(self.run_dir, create=False, what="the launch's folder")
         for rank in range(self.world_size):
-            log = open(self.run_dir / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed in close())
+            log = CappedLog(folder.open_new(f"rank{rank}.log"), cap, rank)
             try:
                 proc = subprocess.Popen(
                     # The trailing argument names the rank in `ps` output.
                     [sys.executable, "-c", _BOOTSTRAP, f"kit-rank-{rank}-of-{self.world_size}"],
                     stdin=subprocess.DEVNULL,
-                    stdout=log,
+                    stdout=log.write_fd,
                     stderr=subprocess.STDOUT,
                     env=_rank_env(self.env, rank, self.world_size, self.spec_path, threads),
                     start_new_session=True,
@@ -506,6 +555,7 @@ class _Launch:
             except BaseException:
                 log.close()
                 raise
+            log.started()
             self.ranks.append(_RankProcess(rank, proc, log))
 
     def supervise(self) -> bool:
@@ -591,6 +641,9 @@ class _Launch:
         for r in self.ranks:
             for child in proctree.descendants(r.proc.pid):
                 self.helpers.setdefault(child.pid, child)
+        for pid in self._adopted():  # orphans of a rank that died, re-parented to this process
+            with contextlib.suppress(psutil.Error):
+                self.helpers.setdefault(pid, psutil.Process(pid))
         if self.host_limit is None:  # with a limit, every poll samples the trees already
             for r in self.running():
                 r.sample_tree()
@@ -683,8 +736,8 @@ class _Launch:
             self.stop(running, "torn_down")
             stacks = []
             for r in running:
-                with contextlib.suppress(OSError):
-                    text = (self.run_dir / f"rank{r.rank}.stacks").read_text().strip()
+                with contextlib.suppress(OSError), open(self.run_dir / f"rank{r.rank}.stacks", "rb") as f:
+                    text = f.read(_MAX_TEXT).decode(errors="replace").strip()
                     stacks.append(f"rank {r.rank}:\n{text}")
             if stacks and hasattr(exc, "add_note"):
                 exc.add_note(
@@ -740,19 +793,40 @@ class _Launch:
                 return failure
         return out
 
+    def _adopted(self) -> list[int]:
+        """Processes re-parented to this one during the launch (orphans of its ranks' trees)."""
+        if not self.subreaper:
+            return []
+        return proctree.adopted_since(self.children_before, {r.proc.pid for r in self.ranks})
+
     def close(self) -> int:
-        """Close the logs, kill whatever is left of the ranks' trees, give the launch's memory back to
-        the ledger; how many helpers leaked."""
-        for r in self.ranks:
-            r.log.close()
-        # Whatever still carries this launch's marker: daemons that double-forked out of the tree.
+        """Kill whatever is left of the ranks' trees, close the logs, give the launch's memory back
+        to the ledger; how many helpers leaked.
+
+        Left: the ranks' process groups, the helpers seen in their trees, orphans re-parented to
+        this process (it is a subreaper while it launches: a process cannot opt out by leaving its
+        group or clearing its environment), and what still carries the launch's marker.
+        """
         marked = proctree.marked(runner_limit.LAUNCH_SPEC_ENV, str(self.spec_path))
-        leaked = proctree.kill_tree([r.proc.pid for r in self.ranks], [*self.helpers.values(), *marked])
-        for r in self.ranks:
-            with contextlib.suppress(Exception):
-                r.proc.wait(timeout=5)
-        if self.ticket is not None and self.ledger is not None:
-            self.ledger.release(self.ticket)
+        adopted = self._adopted()
+        found = [*self.helpers.values(), *marked]
+        for pid in adopted:
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(pid))
+        try:
+            leaked = proctree.kill_tree([r.proc.pid for r in self.ranks], found)
+            for r in self.ranks:
+                with contextlib.suppress(Exception):
+                    r.proc.wait(timeout=5)
+            proctree.reap([*adopted, *self._adopted()])  # no zombie of theirs is left here
+        finally:
+            if self.subreaper:
+                self.subreaper = False
+                proctree.release_subreaper()
+            for r in self.ranks:
+                r.log.close()
+            if self.ticket is not None and self.ledger is not None:
+                self.ledger.release(self.ticket)
         return leaked
 
     def setup_s(self, records: list[RankRecord]) -> float | None:

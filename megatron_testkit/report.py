@@ -10,8 +10,10 @@ once, typed and versioned, in `megatron_testkit.schema`; the renderers read that
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ class TestRow:
     skip_capability: str | None = None
     runs: list[Run] = field(default_factory=list)
     finished: bool = False  # its teardown report arrived
+    reported: bool = False  # a phase report arrived (a row made at the test's start has none yet)
     metrics: dict[str, Any] | None = None  # the recorded series (`megatron_testkit.metrics`)
 
     def entry(self) -> TestEntry:
@@ -110,9 +113,15 @@ class ReportCollector:
     def __init__(self) -> None:
         self.rows: dict[str, TestRow] = {}
 
+    def start(self, nodeid: str) -> None:
+        """A test is starting: its row exists from now on, so an interrupt before any of its phases
+        reported (a signal while a fixture launches ranks) still records it as ``interrupted``."""
+        self.rows.setdefault(nodeid, TestRow(nodeid))
+
     def add(self, report: Any) -> None:
         """Take one phase's report."""
         row = self.rows.setdefault(report.nodeid, TestRow(report.nodeid))
+        row.reported = True
         row.duration_s += float(getattr(report, "duration", 0.0) or 0.0)
         kit = getattr(report, "kit", None) or {}
         row.runs.extend(Run.from_json(run) for run in kit.get("runs", []))
@@ -145,10 +154,12 @@ class ReportCollector:
             if not row.finished and row.outcome not in ("failed", "error"):
                 row.outcome = "interrupted"
                 row.failure = Failure(rank=None, kind=None, first_line=why, message=why)
+                row.reported = True
 
     def rows_json(self) -> list[dict[str, Any]]:
-        """Every row in the report's schema."""
-        return [row.to_json() for row in self.rows.values()]
+        """Every row in the report's schema (a test that started and reported nothing, in a session
+        that was not interrupted, has no outcome to give and is left out)."""
+        return [row.to_json() for row in self.rows.values() if row.reported]
 
 
 def _phase_outcome(report: Any) -> str:
@@ -318,7 +329,12 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"{session.get('host', '?')}, {session.get('cpu_count', '?')} CPUs, {session.get('gpus', 0)} GPUs, "
         f"torch {session.get('torch') or '-'}, megatron-core {session.get('megatron_core') or '-'}, "
         f"{session.get('duration_s', 0):.1f} s, `-m {session.get('markexpr') or '(all)'}`"
-        + (f", CI job `{session['ci_job']}`" if session.get("ci_job") else ""),
+        + (f", CI job `{session['ci_job']}`" if session.get("ci_job") else "")
+        + (
+            f"; {len(session['sessions'])} sessions that shared this report folder, every row kept"
+            if session.get("sessions")
+            else ""
+        ),
         "",
         "| " + " | ".join(_COLUMNS) + " |",
         "|" + "|".join("---" for _ in _COLUMNS) + "|",
@@ -340,13 +356,57 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def write_report(report: dict[str, Any], directory: str | os.PathLike) -> tuple[Path, Path]:
-    """Write ``kit-report.json`` and ``kit-report.md`` (the CI job, not the kit, puts the Markdown
-    in ``$GITHUB_STEP_SUMMARY``, once)."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out / "kit-report.json", out / "kit-report.md"
-    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    markdown = format_markdown(report)
-    md_path.write_text(markdown)
-    return json_path, md_path
+REPORT_JSON, REPORT_MARKDOWN = "kit-report.json", "kit-report.md"
+# Held while a session reads, merges and writes the folder's report (two sessions may share it).
+REPORT_LOCK = ".kit-report.lock"
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """The files `write_report` wrote (unpacks as ``json, markdown``), how many sessions the
+    folder's report now holds, and what the writer had to say (an earlier report set aside)."""
+
+    json: Path
+    markdown: Path
+    sessions: int = 1
+    notes: tuple[str, ...] = ()
+
+    def __iter__(self) -> Any:
+        return iter((self.json, self.markdown))
+
+
+def write_report(report: dict[str, Any], directory: str | os.PathLike) -> ReportFiles:
+    """Write ``kit-report.json`` and ``kit-report.md`` into the report folder (the CI job, not the
+    kit, puts the Markdown in ``$GITHUB_STEP_SUMMARY``, once).
+
+    Under the folder's lock, the report already there (another session's: a job that runs pytest
+    twice into one folder, two jobs on one runner) is read through the bounded reader and merged
+    (`megatron_testkit.report_merge`): every row of each session is kept. One that cannot be read
+    is set aside as ``kit-report.unreadable-<time>.json``, never overwritten unseen. Both files are
+    written by the kit's writer (`megatron_testkit.safe_write`): atomic, never through a link;
+    `WriteRefused` in one line otherwise (a full disk leaves the previous report whole).
+    """
+    from megatron_testkit.report_merge import merge_sessions
+    from megatron_testkit.safe_write import Folder
+    from megatron_testkit.schema import ReportError, read_report
+
+    folder = Folder(directory, what="--kit-report folder")
+    notes: list[str] = []
+    with folder.lock(REPORT_LOCK):
+        merged = report
+        found = folder.lstat(REPORT_JSON)
+        if found is not None and stat.S_ISREG(found.st_mode):
+            try:
+                earlier = read_report(folder.path / REPORT_JSON).to_json()
+            except ReportError as exc:
+                stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+                aside = folder.rename(REPORT_JSON, f"kit-report.unreadable-{stamp}.json")
+                notes.append(f"the folder's earlier report could not be merged ({exc}); kept as {aside}")
+            else:
+                header, rows = merge_sessions(earlier, report)
+                merged = build_report(header, rows)
+        text = json.dumps(merged, indent=2, default=str, allow_nan=False) + "\n"
+        json_path = folder.write_text(REPORT_JSON, text)
+        md_path = folder.write_text(REPORT_MARKDOWN, format_markdown(merged))
+    sessions = len(merged["session"].get("sessions") or [None])
+    return ReportFiles(json_path, md_path, sessions, tuple(notes))

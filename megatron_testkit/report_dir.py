@@ -13,25 +13,33 @@ import datetime
 import fcntl
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import IO
+
+from megatron_testkit.safe_write import Folder
 
 MARKER = ".megatron-testkit-session"
 
 
 class SessionLogs:
-    """This session's log folder, locked for as long as the session runs (`close` releases it)."""
+    """This session's log folder, locked for as long as the session runs (`close` releases it).
+
+    Made through the kit's writer (`megatron_testkit.safe_write`): ``DIR`` is resolved once, and
+    ``logs/`` and the session's folder below it are never reached through a link. A ``DIR`` that
+    is a file, or that cannot be written, is a `WriteRefused` in one line naming it.
+    """
 
     def __init__(self, report_dir: Path) -> None:
-        logs = report_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        self.folder = Folder(report_dir, what="--kit-report folder")
+        logs = self.folder.make_dir("logs")
         remove_finished(logs)
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        self.path = logs / f"session-{stamp}-{os.getpid()}"
-        self.path.mkdir()
-        self._lock: IO[str] | None = open(self.path / MARKER, "w")  # noqa: SIM115 (held until close)
+        self.path = self.folder.make_unique_dir(f"logs/session-{stamp}-{os.getpid()}")
+        name = self.path.name
+        self._lock: IO[bytes] | None = self.folder.open_new(f"logs/{name}/{MARKER}")
         fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self._lock.write(f"rank logs of the pytest session with pid {os.getpid()}\n")
+        self._lock.write(f"rank logs of the pytest session with pid {os.getpid()}\n".encode())
         self._lock.flush()
 
     def close(self) -> None:
@@ -45,7 +53,9 @@ def remove_finished(logs: Path) -> list[Path]:
     """Remove the kit's session folders under ``logs`` whose session has ended; return them.
 
     A folder without the kit's marker is not the kit's (a user's own ``logs/`` content, or a
-    folder of another tool): it stays. A folder whose marker is locked belongs to a live session.
+    folder of another tool): it stays, and so does one whose marker is a link (the kit's marker
+    is a regular file it made: a link there, dangling or not, is someone else's). A folder whose
+    marker is locked belongs to a live session.
     """
     removed: list[Path] = []
     try:
@@ -54,13 +64,18 @@ def remove_finished(logs: Path) -> list[Path]:
         return removed
     for child in children:
         marker = child / MARKER
-        if child.is_symlink() or not marker.is_file():
+        try:
+            if child.is_symlink() or not stat.S_ISREG(os.lstat(marker).st_mode):
+                continue
+            fd = os.open(marker, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
             continue
         try:
-            with open(marker) as f:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                shutil.rmtree(child, ignore_errors=True)
-                removed.append(child)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
         except OSError:
             continue  # locked: its session is still running
+        finally:
+            os.close(fd)
     return removed

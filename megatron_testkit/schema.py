@@ -9,11 +9,13 @@ dataclass field names below and do not change without a new `REPORT_VERSION`.
 from __future__ import annotations
 
 import math
+import os
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from accounting.json_input import JsonInputError, load_json, printable
 from megatron_testkit.metrics import TestMetrics
 
 # 2: TestEntry.metrics (recorded series). Optional additions that older readers parse unchanged
@@ -45,10 +47,34 @@ MAX_TEXT_CHARS = 1 << 20
 # Integers are C int64 where the kit writes them; floats (durations, epoch seconds) are finite.
 MAX_INT = 2**63 - 1
 MAX_FLOAT = 1e15
+# The largest report read: about 1 kB per test plus failure text the writer clips to 20 000
+# characters, so 32 MiB holds a whole suite that failed; parsed, it is roughly ten times that.
+MAX_REPORT_BYTES = 32 * 2**20
 
 
 class SchemaError(ValueError):
     """A report, or part of one, that does not follow this schema; the message says where."""
+
+
+class ReportError(JsonInputError):
+    """A report that is missing, too large, not JSON, or not a well-formed kit report (version 1 or 2)."""
+
+
+def read_report(path: str | os.PathLike[str]) -> Report:
+    """The kit report at `path`: read by the bounded reader (`accounting.json_input`: a regular
+    file of at most `MAX_REPORT_BYTES`, strict JSON, bounded depth), then checked field by field
+    (`check_report`); `ReportError` in one line naming the file and the field otherwise."""
+    try:
+        data = load_json(path, limit=MAX_REPORT_BYTES, what="kit report")
+    except JsonInputError as exc:
+        raise ReportError(str(exc), exc.strerror) from None
+    try:
+        return check_report(data)
+    except SchemaError as exc:
+        name = printable(os.fspath(path), 300)
+        if str(exc).startswith("not a version"):
+            raise ReportError(f"{name} is {exc}") from None
+        raise ReportError(f"{name}: {printable(str(exc), 300)}") from None
 
 
 @dataclass
@@ -223,6 +249,22 @@ class TestEntry:
 
 
 @dataclass
+class SessionRef:
+    """One session of a report folder that several sessions shared (`megatron_testkit.report_merge`):
+    who it was, and which rows are its own (``tests[first_test : first_test + tests]``)."""
+
+    started: str
+    host: str
+    markexpr: str
+    pytest_args: list[str]
+    first_test: int
+    tests: int
+    ci_job: str | None = None
+    exit_status: int | None = None
+    duration_s: float = 0.0
+
+
+@dataclass
 class Session:
     """The ``session`` header the plugin writes: where and on what the session ran.
 
@@ -248,6 +290,10 @@ class Session:
     pytest_rss_end_bytes: int | None
     allowed_skips: list[str] | None = None  # KIT_ALLOWED_SKIPS (None: unset, skips unchecked)
     exit_status: int | None = None  # pytest's exit status (2: interrupted); None in older reports
+    # The sessions merged into this report when several wrote one --kit-report folder (oldest
+    # first, each with the range of its rows); None for a report of one session.
+    sessions: list[SessionRef] | None = None
+    dropped_sessions: int | None = None  # the oldest sessions a merge dropped past MAX_TESTS rows
     # Memory admission (version 3; None without it): the runner's memory the ledger held
     # (``admission_source`` says where the figure came from), the session's peak of admitted
     # memory against it, and the share a rank of a test without a memory_budget is admitted with.
@@ -273,12 +319,17 @@ class Session:
             values[name] = values[name] if _is_int(values[name]) else None
         values["gpus"] = values["gpus"] if _is_int(values["gpus"]) else 0
         values["exit_status"] = values["exit_status"] if _is_int(values["exit_status"]) else None
+        values["dropped_sessions"] = (
+            values["dropped_sessions"] if _is_int(values["dropped_sessions"]) else None
+        )
         values["pytest_args"] = [str(a) for a in values["pytest_args"] or []]
         for name in ("started", "markexpr", "host", "platform", "python"):
             values[name] = str(values[name] or "")
         values["duration_s"] = float(values["duration_s"] or 0.0)
         allowed = values["allowed_skips"]
         values["allowed_skips"] = [str(a) for a in allowed] if isinstance(allowed, list) else None
+        merged = values["sessions"]
+        values["sessions"] = [r for r in merged if isinstance(r, dict)] if isinstance(merged, list) else None
         return cls(**values)
 
 
@@ -314,7 +365,7 @@ class Report:
 def _metrics(data: Any, where: str) -> TestMetrics | None:
     try:
         return TestMetrics.from_json(data, where) if data is not None else None
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # TypeError: a value that is not a number
         raise SchemaError(str(exc)) from None
 
 
@@ -338,6 +389,9 @@ _INT_RANGES = {
     "gpus": (0, MAX_GPUS),
     "cpu_count": (0, MAX_COUNT),
     "launches": (0, MAX_COUNT),
+    "first_test": (0, MAX_TESTS),
+    "dropped_sessions": (0, MAX_COUNT),
+    "tests": (0, MAX_TESTS),
     "leaked_processes": (0, MAX_COUNT),
 }
 _TEXT_LIMITS = {"nodeid": MAX_NODEID_CHARS}

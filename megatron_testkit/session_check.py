@@ -21,10 +21,10 @@ and exits 1 on a violation (CI runs it after a green tier).
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 from typing import Any
+
+from megatron_testkit.schema import ReportError, read_report
 
 MiB = 2**20
 # Per-session bound on the pytest process' growth over rank tests, excluding the first rank test
@@ -125,7 +125,11 @@ def summary(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     """``python -m functional.test_session_leaks REPORT [BOUND_MIB [SPAN_BOUND_MIB]]``: check a report."""
-    report = json.loads(Path(argv[0]).read_text())
+    try:  # the kit's one bounded, checked report reader
+        report = read_report(argv[0]).to_json()
+    except ReportError as exc:
+        print(f"session_check: {exc}", file=sys.stderr)
+        return 2
     bound = int(argv[1]) * MiB if len(argv) > 1 else RANK_TEST_GROWTH_BOUND
     span_bound = int(argv[2]) * MiB if len(argv) > 2 else SPAN_BOUND
     print(summary(report))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -244,3 +245,32 @@ def test_gemma2_sliding_window_size_must_agree_with_sliding_window():
     assert ModelShape.from_hf_config(config).window_size == (7, 0)
     with pytest.raises(ValueError, match="sliding_window_size = 16 differs"):
         ModelShape.from_hf_config({**config, "sliding_window_size": 16})
+
+
+# ---- --hf-config reads through it -----------------------------------------------------------------
+
+
+def _flops_cli(config: Path) -> subprocess.CompletedProcess[str]:
+    # A timeout, not a hang: the old reader waited on a FIFO forever and read /dev/zero into memory.
+    return subprocess.run(
+        [sys.executable, "-m", "accounting", "flops", "--hf-config", str(config), "--seq-len", "8"],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_hf_config_that_is_a_fifo_or_dev_zero_is_a_one_line_error(tmp_path: Path) -> None:
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    for path in (fifo, zero):
+        result = _flops_cli(path)
+        assert result.returncode == 2, result.stderr
+        assert "is not a regular file" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_hf_config_with_nan_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama", "hidden_size": NaN}')
+    with pytest.raises(ValueError, match=r"^hf config .*NaN is not a JSON number"):
+        ModelShape.from_hf_config(path)

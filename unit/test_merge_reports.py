@@ -195,3 +195,18 @@ def test_text_from_the_reports_is_printed_and_written_escaped(
         assert all(ch.isprintable() for line in text.splitlines() for ch in line), text
         assert "\\x1b[2J" in text
     assert "- `t.py::test_'bad'\\x1b[1m`: root cause node 0" in failures
+
+
+def test_merging_onto_a_link_is_a_one_line_refusal_and_the_target_is_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    _write(runs, 0, 0, [_row("t.py::a", "passed", 0)])
+    target = tmp_path / "mine.json"
+    target.write_text("a user's file")
+    out.mkdir()
+    (out / "kit-report.json").symlink_to(target)
+    assert merge_reports.main([str(out), str(runs)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kit-report.json is a link" in err, err
+    assert target.read_text() == "a user's file"

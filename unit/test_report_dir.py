@@ -40,3 +40,17 @@ def test_a_session_folder_is_locked_until_closed_then_removable(tmp_path: Path) 
     session.close()
     assert remove_finished(tmp_path / "logs") == [session.path]
     assert (tmp_path / "logs" / "mine.log").read_text() == "kept"
+
+
+def test_a_folder_whose_marker_is_a_link_is_never_removed(tmp_path: Path) -> None:
+    """A link named like the kit's marker (dangling or to a lockable file) is not the kit's marker."""
+    logs = tmp_path / "logs"
+    users, dangling = logs / "users-own", logs / "dangling"
+    for folder in (users, dangling):
+        folder.mkdir(parents=True)
+        (folder / "work.txt").write_text("keep")
+    (tmp_path / "a-file").write_text("")
+    (users / MARKER).symlink_to(tmp_path / "a-file")
+    (dangling / MARKER).symlink_to(tmp_path / "missing")
+    assert remove_finished(logs) == []
+    assert (users / "work.txt").read_text() == "keep" and (dangling / "work.txt").read_text() == "keep"
