@@ -164,7 +164,8 @@ class Job:
         return env
 
     def parallel_args(self) -> list[str]:
-        """The xdist arguments ci/test.sh adds for the row's workers (none for one)."""
+        """The xdist arguments ci/test.sh adds for the row's workers (none for one). `repro` leaves
+        them out: it reruns a few failed tests, whose verdicts are the launcher's either way."""
         return ["-n", str(self.workers), "--dist", "loadfile"] if self.workers > 1 else []
 
     def extra_pytest_args(self) -> list[str]:
@@ -306,7 +307,6 @@ def pytest_args(job: Job, reports: Path | str) -> list[str]:
         job.tier,
         f"--kit-report={reports}",
         f"--junitxml={reports}/junit.xml",
-        *job.parallel_args(),
         *job.extra_pytest_args(),
     ]
 

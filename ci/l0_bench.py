@@ -1,6 +1,6 @@
 """L0 serial against L0 parallel under admission, side by side: wall, CPU and peak memory of each.
 
-    python -m ci.l0_bench [--workers N] [--reports DIR] [pytest args]
+    python -m ci l0-bench [--workers N] [--reports DIR] [pytest args]
 
 Runs this repository's L0 as the CPU row does (`ci.jobs` L0-cpu: its environment, KIT_HOST_MEMORY
 included, and its pytest arguments) twice, first in one process, then on N xdist workers (default
@@ -73,7 +73,7 @@ def run_l0(workers: int, reports: Path, extra: list[str]) -> dict[str, Any]:
     job = dataclasses.replace(JOBS[ROW], workers=workers)
     env = {**os.environ, **job.environment(reports)}
     env.pop("KIT_ADMISSION_DIR", None)  # its own ledger, not the caller's session's
-    command = [sys.executable, "-m", "pytest", *pytest_args(job, reports), *extra]
+    command = [sys.executable, "-m", "pytest", *pytest_args(job, reports), *job.parallel_args(), *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -133,7 +133,7 @@ def table(serial: dict[str, Any], parallel: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run both and print the table; exit 1 if either session failed."""
-    parser = argparse.ArgumentParser(prog="python -m ci.l0_bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ci l0-bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--workers", type=int, default=JOBS[ROW].workers, help="xdist workers of the parallel run"
     )
@@ -149,7 +149,3 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"serial": serial, "parallel": parallel}, indent=2)
     )
     return 0 if serial["returncode"] == parallel["returncode"] == 0 else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -187,7 +187,6 @@ def test_cpu_repro_uses_the_ci_rows_arguments_environment_and_runner_memory(
     command = shlex.split(out[-1].removeprefix("ci repro: "))
     assert command[1:] == [
         "-m", "pytest", "-m", "L0", f"--kit-report={tmp_path}", f"--junitxml={tmp_path}/junit.xml",
-        "-n", "2", "--dist", "loadfile",  # the row's xdist workers, as ci/test.sh runs them
         "-p", "no:randomly", "--durations=20", "-k", "flops",
     ]  # fmt: skip
 

@@ -508,13 +508,13 @@ def test_usage_errors_go_to_stderr_with_exit_2(args: tuple[str, ...], words: str
 
 
 # Every subcommand, as the issue names them (not read from ci/cli.py, which this checks).
-SUBCOMMANDS = ("job", "repro", "chart", "merge-reports", "gpu-check", "golden", "bench")
+SUBCOMMANDS = ("job", "repro", "chart", "merge-reports", "gpu-check", "golden", "bench", "l0-bench")
 
 
 def test_help_lists_every_subcommand_and_each_has_its_own() -> None:
     result = _ci("--help")
     assert result.returncode == 0 and result.stderr == ""
-    listed = re.findall(r"^    ([a-z-]+)", result.stdout, flags=re.MULTILINE)
+    listed = re.findall(r"^    ([a-z0-9-]+)", result.stdout, flags=re.MULTILINE)
     assert tuple(listed) == SUBCOMMANDS
     for name in SUBCOMMANDS:
         own = _ci(name, "--help")

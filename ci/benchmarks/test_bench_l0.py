@@ -1,4 +1,4 @@
-"""L0 serial against L0 parallel under memory admission, in one run (`ci.l0_bench`).
+"""L0 serial against L0 parallel under memory admission, in one run (`python -m ci l0-bench`, `ci.l0_bench`).
 
 One round (each side is a whole L0 session, minutes): serial first, then on the CPU row's xdist
 workers. ``extra_info`` holds each side's wall, CPU and peak memory (the process tree's sampled
