@@ -245,6 +245,22 @@ class Ledger:
         }
 
     # -- launches ----------------------------------------------------------------------------------
+    def refuse_never_fits(self, share: int, world_size: int, label: str) -> None:
+        """`NeverFits` when ``share`` exceeds the runner's whole memory (before anything is made)."""
+        with self._locked():
+            ledger = self._load()
+        self._refuse(ledger, share, world_size, label)
+
+    @staticmethod
+    def _refuse(ledger: dict[str, Any], share: int, world_size: int, label: str) -> None:
+        if share > ledger["limit_bytes"]:
+            raise NeverFits(
+                f"{label}: needs {format_size(share)} ({world_size} rank(s) x "
+                f"{format_size(share // max(1, world_size))}) but the runner has "
+                f"{format_size(ledger['limit_bytes'])} ({ledger.get('source')}): it can never "
+                f"be admitted; lower memory_budget(host=...) or the world size"
+            )
+
     def admit(self, share: int, world_size: int, label: str, *, poll_s: float = _POLL_S) -> Ticket:
         """Wait until ``share`` bytes fit beside every admitted launch (first come, first served),
         then record it; `NeverFits` at once for a share above the runner's memory."""
@@ -255,13 +271,7 @@ class Ledger:
             while True:
                 with self._locked():
                     ledger = self._load()
-                    if share > ledger["limit_bytes"]:
-                        raise NeverFits(
-                            f"{label}: needs {format_size(share)} ({world_size} rank(s) x "
-                            f"{format_size(share // max(1, world_size))}) but the runner has "
-                            f"{format_size(ledger['limit_bytes'])} ({ledger.get('source')}): it can never "
-                            f"be admitted; lower memory_budget(host=...) or the world size"
-                        )
+                    self._refuse(ledger, share, world_size, label)
                     before = json.dumps(ledger)
                     ticket = self._try_admit(ledger, me, world_size, time.monotonic() - started)
                     if json.dumps(ledger) != before:  # queued or admitted: else nothing to write

@@ -471,7 +471,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def _stall_window_of(mark: pytest.Mark) -> float | None:
     """``stall_window(seconds)`` (None: off), checked; a bad value fails the test naming the marker."""
-    value = mark.args[0] if mark.args else mark.kwargs.get("seconds")
+    if not mark.args and "seconds" not in mark.kwargs:
+        pytest.fail("stall_window(seconds) needs its seconds, or None to turn the rule off", pytrace=False)
+    value = mark.args[0] if mark.args else mark.kwargs["seconds"]
     try:
         return stall.check_window(value, "stall_window(seconds)")
     except (TypeError, ValueError) as exc:

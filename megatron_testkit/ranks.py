@@ -456,6 +456,9 @@ class _Launch:
         # Marked `gpu` or not (None outside a test): only `gpu` tests get NCCL and see the GPUs.
         self.gpu_test = context.gpu if context is not None else None
         self.backend = choose_backend(backend, world_size, self.gpu_test)
+        self.ledger = admission.session_ledger()
+        if self.ledger is not None:  # refused before anything is made: it could only wait forever
+            self.ledger.refuse_never_fits(self.admission_share(), world_size, self.test_id)
         # The process group times out before the launch does, so NCCL's watchdog writes its flight
         # recorder while the launcher still waits; gloo gets the same margin.
         self.pg_timeout = max(5.0, min(timeout * 0.8, timeout - 10.0))
@@ -484,8 +487,8 @@ class _Launch:
         self.oom_before = self._oom_counters()
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
-        self.ledger = admission.session_ledger()
         self.ticket: admission.Ticket | None = None
+        self.last_dump_request = 0.0
         self.stall_verdict: stall.Stall | None = None
         self.subreaper = False  # this process adopts orphans from `start` to `close`
         self.children_before: set[int] = set()
@@ -628,7 +631,10 @@ class _Launch:
                 out[r.rank] = position
         if self.backend == "nccl" and self.stall_window is not None:
             stem = self.run_dir / flight_recorder.DUMP_STEM
-            flight_recorder.request_dumps(stem, [r.rank for r in running])  # read at a later poll
+            now = time.monotonic()
+            if now - self.last_dump_request > max(1.0, self.stall_window / 4):  # a dump costs the rank
+                self.last_dump_request = now
+                flight_recorder.request_dumps(stem, [r.rank for r in running])  # read at a later poll
             for rank, position in stall.nccl_positions(stem, out).items():
                 out[rank] = stall.Position(
                     position.inside, position.seq, position.group_seq, out[rank].ready, position.work

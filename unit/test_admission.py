@@ -199,3 +199,27 @@ def test_admission_settings_read_as_documented() -> None:
     assert admission.default_rank_bytes({}) == admission.DEFAULT_RANK_BYTES == 2**30
     assert admission.default_rank_bytes({"KIT_DEFAULT_RANK_MEMORY": "512MiB"}) == 512 * MiB
     assert admission.session_ledger({"KIT_ADMISSION_DIR": "/nonexistent"}) is None
+
+
+def _never_called(rank: int, world_size: int) -> None:
+    raise AssertionError("spawned")
+
+
+def test_run_ranks_refuses_a_launch_that_can_never_fit_before_making_anything(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from megatron_testkit import attribution
+    from megatron_testkit.budgets import MemoryBudget
+    from megatron_testkit.ranks import run_ranks
+
+    ledger_of(tmp_path)  # a session's ledger of 1000 MiB, as the plugin makes one
+    monkeypatch.setenv(admission.LEDGER_ENV, str(tmp_path / "ledger"))
+    monkeypatch.setattr(attribution, "_scratch_root", str(tmp_path / "scratch"))
+    monkeypatch.setattr(attribution.current(), "log_root", None)  # no --kit-report folder: scratch only
+    runs_before = len(attribution.current().runs)
+    with pytest.raises(
+        NeverFits, match=r"needs 1.17 GiB \(2 rank\(s\) x 600.00 MiB\) but the runner has 1000.00 MiB"
+    ):
+        run_ranks(_never_called, 2, budget=MemoryBudget.parse(host="600MiB"))
+    assert not (tmp_path / "scratch").exists()  # no launch directory was made
+    assert len(attribution.current().runs) == runs_before  # and no launch recorded
