@@ -1,12 +1,13 @@
 """L2: a randomized fault campaign over the launcher: is every planted fault named correctly?
 
 Trials (``KIT_FAULT_TRIALS``: 200 in the nightly L2 row of ci/jobs.py; by default two of each
-kind, 18, so that ``ci/test.sh all`` stays short: each hang trial waits out a process-group
-timeout, about 17 s, but the deadlock kind only its stall window; seed ``KIT_FAULT_SEED``) are drawn over the fault
-kinds of `fixtures.faults`, the failing rank, world sizes 2-4 and the timing against the first
-collective; the deadlock trials are named within the stall window (``KIT_FAULT_STALL_WINDOW``, 5 s). Half of them run in an inner pytest session, the other half in one under xdist
-(``-n 2``), each trial recording what was planted, what `run_ranks` reported, the time from the
-fault to the verdict and the processes it left. The figures are printed and written to
+kind, 18, so that ``ci/test.sh all`` stays short; seed ``KIT_FAULT_SEED``) are drawn over the
+fault kinds of `fixtures.faults`, the failing rank, world sizes 2-4 and the timing against the
+first collective. The deadlock kind is named within the stall window (``KIT_FAULT_STALL_WINDOW``,
+5 s); the computing hang, which the stall rule never judges, waits out a process-group timeout
+(about 17 s). Half of the trials run in an inner pytest session, the other half in one under
+xdist (``-n 2``), each trial recording what was planted, what `run_ranks` reported, the time from
+the fault to the verdict and the processes it left. The figures are printed and written to
 ``reports/fault-campaign.json``; the campaign fails below 100% correct or above 0 leaked.
 
 Over NCCL (the L2 GPU row, two GPUs): one trial of each fault a GPU job meets, a CUDA OOM, a

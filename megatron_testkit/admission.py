@@ -39,7 +39,7 @@ from typing import Any
 import psutil
 
 from accounting.json_input import load_json
-from megatron_testkit.budgets import format_size, parse_size
+from megatron_testkit.budgets import format_size, parse_setting
 from megatron_testkit.safe_write import Folder
 
 __all__ = [
@@ -93,14 +93,7 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
 def default_rank_bytes(environ: Mapping[str, str] | None = None) -> int:
     """``KIT_DEFAULT_RANK_MEMORY`` in bytes, else `DEFAULT_RANK_BYTES`; ValueError naming it."""
     raw = (os.environ if environ is None else environ).get(DEFAULT_RANK_MEMORY_ENV, "").strip()
-    if not raw:
-        return DEFAULT_RANK_BYTES
-    try:
-        size = parse_size(raw)
-    except ValueError as exc:
-        raise ValueError(f"{DEFAULT_RANK_MEMORY_ENV}={raw!r}: {exc}") from None
-    assert size is not None
-    return size
+    return parse_setting(DEFAULT_RANK_MEMORY_ENV, raw) if raw else DEFAULT_RANK_BYTES
 
 
 def _cores() -> int:
@@ -123,11 +116,7 @@ def capacity(environ: Mapping[str, str] | None = None) -> Capacity:
     environ = os.environ if environ is None else environ
     raw = environ.get(runner_limit.HOST_MEMORY_ENV, "").strip()
     if raw:
-        try:
-            size = parse_size(raw)
-        except ValueError as exc:
-            raise ValueError(f"{runner_limit.HOST_MEMORY_ENV}={raw!r}: {exc}") from None
-        assert size is not None
+        size = parse_setting(runner_limit.HOST_MEMORY_ENV, raw)
         return Capacity(size, _cores(), f"{runner_limit.HOST_MEMORY_ENV}={raw}")
     group = runner_limit.memory_cgroup_of()
     limit = runner_limit.group_limit_bytes(group) if group is not None else None
