@@ -706,7 +706,14 @@ def _test_sh(
             "import pytest\nfrom hypothesis import given, strategies as st\n\npytestmark = pytest.mark.L0\n\n\n"
             "@given(st.integers())\ndef test_p(x):\n    assert isinstance(x, int)\n"
         )
-    full = {**os.environ, "KIT_ALLOWED_SKIPS": "", "KIT_HYPOTHESIS_MAX_EXAMPLES": "5", **env}
+    # One process: what is tested is the seed, not the xdist workers (each would collect the project).
+    full = {
+        **os.environ,
+        "KIT_ALLOWED_SKIPS": "",
+        "KIT_HYPOTHESIS_MAX_EXAMPLES": "5",
+        "KIT_TEST_WORKERS": "1",
+        **env,
+    }
     result = subprocess.run(
         ["bash", "ci/test.sh", "L0", "-p", "no:randomly", *args],
         cwd=project,
@@ -736,3 +743,20 @@ def test_ci_test_sh_draws_prints_and_records_a_seed_when_exploring(tmp_path: Pat
     ]
     result, args = _test_sh(tmp_path, {"HYPOTHESIS_PROFILE": "ci"})
     assert "seed" not in result.stderr and not [a for a in args if "hypothesis-seed" in a]
+
+
+def test_ci_test_sh_runs_the_tests_on_its_workers_and_refuses_a_bad_count(tmp_path: Path) -> None:
+    _result, args = _test_sh(tmp_path, {"KIT_TEST_WORKERS": "2"})
+    assert args[args.index("-n") : args.index("-n") + 4] == ["-n", "2", "--dist", "loadfile"]
+    _result, args = _test_sh(tmp_path, {"KIT_TEST_WORKERS": "1"})
+    assert "-n" not in args
+    bad = subprocess.run(
+        ["bash", "ci/test.sh", "L0"],
+        cwd=tmp_path / "project",
+        env={**os.environ, "KIT_TEST_WORKERS": "two"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "ci/test.sh: KIT_TEST_WORKERS='two': expected a whole number of workers >= 1"
