@@ -7,7 +7,8 @@ included, and its pytest arguments) twice, first in one process, then on N xdist
 the row's), each into its own report directory, and prints for each: wall time; CPU time (user +
 system of the whole process tree, read from the kernel's accounting of reaped children); the
 peak of the tree's summed resident memory, sampled every 0.2 s; the session's peak of admitted
-memory against the limit (from its report); outcome counts. Then the ratio parallel / serial and
+memory against the limit (from its report); outcome counts. Each session's output is in its
+report directory's ``pytest.log``. Then the ratio parallel / serial and
 its floor on this machine, the serial run's CPU time over N cores' worth of its wall time. Figures
 on a shared machine are load-dependent: the command is the same on a quiet one. The nightly
 benchmark row runs it through ``ci/benchmarks/test_bench_l0.py``.
@@ -76,9 +77,11 @@ def run_l0(workers: int, reports: Path, extra: list[str]) -> dict[str, Any]:
     command = [sys.executable, "-m", "pytest", *pytest_args(job, reports), *job.parallel_args(), *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    with TreeMemory(proc.pid) as memory:
-        returncode = proc.wait()
+    reports.mkdir(parents=True, exist_ok=True)
+    with open(reports / "pytest.log", "wb") as log:  # the session's output, beside its report
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        with TreeMemory(proc.pid) as memory:
+            returncode = proc.wait()
     wall = time.monotonic() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     figures: dict[str, Any] = {
