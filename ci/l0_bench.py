@@ -72,8 +72,10 @@ class TreeMemory:
 def run_l0(workers: int, reports: Path, extra: list[str]) -> dict[str, Any]:
     """One L0 session as the CPU row runs it, on ``workers`` xdist workers (1: one process)."""
     job = dataclasses.replace(JOBS[ROW], workers=workers)
-    env = {**os.environ, **job.environment(reports)}
-    env.pop("KIT_ADMISSION_DIR", None)  # its own ledger, not the caller's session's
+    # Its own session: its own ledger, and no enclosing xdist worker's variables.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    env.update(job.environment(reports))
+    env.pop("KIT_ADMISSION_DIR", None)
     command = [sys.executable, "-m", "pytest", *pytest_args(job, reports), *job.parallel_args(), *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
