@@ -14,6 +14,7 @@ keeping the newest 30; ``--markdown PATH`` writes the table for the job summary.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -76,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def own_session_env() -> dict[str, str]:
+    """This environment without an enclosing xdist worker's variables: a benchmark session run from
+    inside one (a test of this command, under ``ci/test.sh``'s workers) is a session of its own,
+    and pytest-benchmark disables itself where ``PYTEST_XDIST_WORKER`` is set."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+
+
 def pytest_command(saved: Path, pytest_args: list[str]) -> list[str]:
     """pytest on every benchmark of ci/benchmarks, the run saved to `saved`, `pytest_args` last."""
     return [
@@ -112,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     saved.parent.mkdir(parents=True, exist_ok=True)
     command = pytest_command(saved, args.rest)
     print(f"ci bench: {' '.join(command[1:])}", flush=True)
-    returncode = subprocess.run(command, cwd=ROOT).returncode
+    returncode = subprocess.run(command, cwd=ROOT, env=own_session_env()).returncode
     if returncode != 0 or not saved.is_file():
         return returncode or 1
     print(f"ci bench: run saved to {saved}")

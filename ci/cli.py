@@ -159,6 +159,12 @@ COMMANDS: tuple[Command, ...] = (
         _lazy("ci.bench.run"),
         takes_rest=True,
     ),
+    Command(
+        "l0-bench",
+        "L0 serial against L0 on the CPU row's xdist workers: wall, CPU and peak memory side by side",
+        None,
+        _own_parser("ci.l0_bench.main"),
+    ),
 )
 
 

@@ -32,6 +32,11 @@ REQUIRE_GPUS_ENV = "KIT_REQUIRE_GPUS"  # a GPU test skipped for want of GPUs fai
 MEGATRON_CORE_ENV = "KIT_MEGATRON_CORE"  # the megatron-core release ci/setup.sh installs
 JOB_ENV = "KIT_CI_JOB"  # the row's name, so a report (and `repro --from-report`) knows its row
 ALLOWED_SKIPS_ENV = "KIT_ALLOWED_SKIPS"  # what the row's machine lacks: any other skip fails
+WORKERS_ENV = "KIT_TEST_WORKERS"  # xdist workers ci/test.sh runs the tests on (1: one process)
+# A CPU runner's tests run on one xdist worker per core (GitHub's runner: 2), whole files to a
+# worker, under the kit's memory admission (the runner's KIT_HOST_MEMORY is shared between them).
+# A GPU row runs one: admission holds host memory, not the two GPUs' memory.
+CPU_WORKERS = 2
 
 # What each kind of runner lacks, in megatron_testkit.skips' vocabulary. A CPU runner has no CUDA
 # (so no GPUs and no Transformer Engine, which needs them) and, on GitHub's hosted runners, no
@@ -129,6 +134,7 @@ class Job:
     suite: str = "tests"
     history: str | None = None
     summary_files: tuple[str, ...] = ()  # Markdown files of the report folder the summary adds
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if self.suite not in SUITES:
@@ -150,6 +156,7 @@ class Job:
         env[JOB_ENV] = self.name
         env[MEGATRON_CORE_ENV] = self.megatron_core
         env[ALLOWED_SKIPS_ENV] = ",".join(self.allowed_skips)
+        env[WORKERS_ENV] = str(self.workers)
         if self.gpus:
             env[REQUIRE_GPUS_ENV] = str(self.gpus)
         if self.host_memory is not None:
@@ -157,6 +164,11 @@ class Job:
         if self.device_memory is not None:
             env[DEVICE_MEMORY_ENV] = self.device_memory
         return env
+
+    def parallel_args(self) -> list[str]:
+        """The xdist arguments ci/test.sh adds for the row's workers (none for one). `repro` leaves
+        them out: it reruns a few failed tests, whose verdicts are the launcher's either way."""
+        return ["-n", str(self.workers), "--dist", "loadfile"] if self.workers > 1 else []
 
     def extra_pytest_args(self) -> list[str]:
         """What the job adds to `ci/test.sh <tier>`: its narrower selection (a later -m wins), its args."""
@@ -198,6 +210,7 @@ def _row(tier: str, kind: str, timeout_minutes: int, megatron_core: str = MEGATR
             markexpr=markexpr,
             allowed_skips=CPU_ALLOWED_SKIPS + release_skips(megatron_core),
             env={**_COMMON_ENV, **_CPU_ENV, **(_NIGHTLY_ENV if tier == "L2" else {})},
+            workers=CPU_WORKERS,
         )
     return Job(
         name=f"{tier}-gpu{suffix}",
@@ -239,6 +252,7 @@ def _nightly_cpu_row(
         suite=suite,
         history=history,
         summary_files=(Path(BENCH_MARKDOWN).name,) if suite == "bench" else (),
+        workers=CPU_WORKERS if suite == "tests" else 1,
     )
 
 

@@ -9,6 +9,10 @@
 # the L0 megatron-dependent tests (MCORE_MATRIX_TESTS: the compat layer, the FLOPs tests that read
 # megatron-core configs, and the four functional megatron tests) again on each release in KIT_MEGATRON_MATRIX (default 0.16.1, the oldest
 # supported), each in its own venv, report in reports/mcore-<release>/.
+# Tests run on KIT_TEST_WORKERS xdist workers (default 2, the CI runner's cores, on a CPU machine;
+# 1 runs them in one process), whole files to a worker (module fixtures run once), under the kit's memory admission:
+# a launch waits until its ranks' budgets fit in the runner's memory (KIT_HOST_MEMORY on the CPU
+# rows), so parallel workers cannot cross it (docs/ci.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=${1:-L0}
@@ -20,6 +24,14 @@ case "$tier" in
   *) echo "ci/test.sh: unknown tier '$tier' (expected L0, L1, L2, all or bench)" >&2; exit 2 ;;
 esac
 export PYTHONUNBUFFERED=1
+# Default: 2 on a CPU machine (ci/jobs.py's CPU_WORKERS), 1 where a GPU is (the GPU rows' one).
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then default_workers=1; else default_workers=2; fi
+workers=${KIT_TEST_WORKERS:-$default_workers}
+case "$workers" in
+  1) parallel=() ;;
+  ''|*[!0-9]*|0) echo "ci/test.sh: KIT_TEST_WORKERS='$workers': expected a whole number of workers >= 1" >&2; exit 2 ;;
+  *) parallel=(-n "$workers" --dist loadfile) ;;
+esac
 # Declared skips (megatron_testkit/skips.py): on a machine without a GPU, the CPU rows' set, so a
 # skip for anything this machine should have (megatron-core, nvdlfw-inspect, matplotlib) fails.
 # A CI row sets its own; KIT_ALLOWED_SKIPS= (empty) allows none; on a GPU machine it stays unset.
@@ -38,7 +50,7 @@ if [ "${HYPOTHESIS_PROFILE:-}" = "explore" ] && ! printf '%s\n' "$@" | grep -q -
   seed=("--hypothesis-seed=$drawn")
 fi
 set +e
-"$py" -m pytest "${select[@]}" --kit-report=reports --junitxml=reports/junit.xml "$@" "${seed[@]}"
+"$py" -m pytest "${select[@]}" "${parallel[@]}" --kit-report=reports --junitxml=reports/junit.xml "$@" "${seed[@]}"
 rc=$?
 set -e
 if [ "$rc" -eq 0 ] && [ -f reports/kit-report.json ]; then
@@ -67,7 +79,7 @@ if [ "$tier" = "all" ] && [ "$rc" -eq 0 ] && [ "${KIT_SYSTEM_PYTHON:-0}" != "1" 
       matrix_env=("KIT_ALLOWED_SKIPS=${KIT_ALLOWED_SKIPS:+$KIT_ALLOWED_SKIPS,}$older")
     fi
     set +e
-    env "${matrix_env[@]}" "$mpy" -m pytest -m L0 "${MCORE_MATRIX_TESTS[@]}" --kit-report="$out" --junitxml="$out/junit.xml" "$@" "${seed[@]}"
+    env "${matrix_env[@]}" "$mpy" -m pytest -m L0 "${parallel[@]}" "${MCORE_MATRIX_TESTS[@]}" --kit-report="$out" --junitxml="$out/junit.xml" "$@" "${seed[@]}"
     rc=$?
     set -e
     if [ "$rc" -eq 0 ]; then "$mpy" -m megatron_testkit.session_check "$out/kit-report.json" || rc=1; fi

@@ -1,12 +1,13 @@
 """L2: a randomized fault campaign over the launcher: is every planted fault named correctly?
 
 Trials (``KIT_FAULT_TRIALS``: 200 in the nightly L2 row of ci/jobs.py; by default two of each
-kind, 18, so that ``ci/test.sh all`` stays short: each hang trial waits out a process-group
-timeout, about 17 s; seed ``KIT_FAULT_SEED``) are drawn over the fault
-kinds of `fixtures.faults`, the failing rank, world sizes 2-4 and the timing against the first
-collective. Half of them run in an inner pytest session, the other half in one under xdist
-(``-n 2``), each trial recording what was planted, what `run_ranks` reported, the time from the
-fault to the verdict and the processes it left. The figures are printed and written to
+kind, 18, so that ``ci/test.sh all`` stays short; seed ``KIT_FAULT_SEED``) are drawn over the
+fault kinds of `fixtures.faults`, the failing rank, world sizes 2-4 and the timing against the
+first collective. The deadlock kind is named within the stall window (``KIT_FAULT_STALL_WINDOW``,
+5 s); the computing hang, which the stall rule never judges, waits out a process-group timeout
+(about 17 s). Half of the trials run in an inner pytest session, the other half in one under
+xdist (``-n 2``), each trial recording what was planted, what `run_ranks` reported, the time from
+the fault to the verdict and the processes it left. The figures are printed and written to
 ``reports/fault-campaign.json``; the campaign fails below 100% correct or above 0 leaked.
 
 Over NCCL (the L2 GPU row, two GPUs): one trial of each fault a GPU job meets, a CUDA OOM, a
@@ -40,8 +41,11 @@ pytestmark = pytest.mark.L2
 TRIALS = int(os.environ.get("KIT_FAULT_TRIALS", str(2 * len(faults.FAULT_KINDS))))
 SEED = int(os.environ.get("KIT_FAULT_SEED", "13"))
 # Launch timeout of the hang trials: the process group times out before it (run_ranks sets it to
-# max(5, min(0.8 t, t - 10)) s), and a loaded 2-core machine needs ~10 s to start 4 ranks.
+# max(5, min(0.8 t, t - 10)) s, counted once the ranks are up). It ends the computing hang
+# (`hang_compute`: a spinning rank is never judged by the stall rule, by design); the deadlock
+# (`hang_collective`) is named within the stall window, the kit's deadlock verdict.
 HANG_TIMEOUT = float(os.environ.get("KIT_FAULT_HANG_TIMEOUT", "25"))
+STALL_WINDOW = float(os.environ.get("KIT_FAULT_STALL_WINDOW", "5"))
 
 # Kinds the launcher misnames today (found by this campaign): none. When the campaign finds one,
 # add ``kind: why`` here: the figures then also show the share correct without it, and its
@@ -67,7 +71,10 @@ INNER = textwrap.dedent(
     @pytest.mark.parametrize("trial", TRIALS, ids=[t.ident for t in TRIALS])
     def test_trial(trial, tmp_path):
         result = faults.run_trial(
-            trial, tmp_path, hang_timeout=float(os.environ["KIT_FAULT_HANG_TIMEOUT"])
+            trial,
+            tmp_path,
+            hang_timeout=float(os.environ["KIT_FAULT_HANG_TIMEOUT"]),
+            stall_window=float(os.environ["KIT_FAULT_STALL_WINDOW"]),
         )
         result.mode = os.environ["KIT_FAULT_MODE"]
         rows = Path(os.environ["KIT_FAULT_ROWS"])
@@ -88,6 +95,7 @@ def _run_inner(root: Path, trials: list[faults.Trial], mode: str, *pytest_args: 
         "KIT_FAULT_ROWS": str(rows),
         "KIT_FAULT_MODE": mode,
         "KIT_FAULT_HANG_TIMEOUT": str(HANG_TIMEOUT),
+        "KIT_FAULT_STALL_WINDOW": str(STALL_WINDOW),
     }
     # Generous: every trial is bounded by run_ranks' own timeouts; this only guards the session.
     budget_s = 120 + len(trials) * (HANG_TIMEOUT + 60)
@@ -118,11 +126,13 @@ def campaign(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRe
     summary = faults.summarize(rows)
     out = {
         "command": f"KIT_FAULT_TRIALS={TRIALS} KIT_FAULT_SEED={SEED} KIT_FAULT_HANG_TIMEOUT={HANG_TIMEOUT:g} "
+        f"KIT_FAULT_STALL_WINDOW={STALL_WINDOW:g} "
         "python -m pytest "
         "functional/test_fault_campaign.py -m L2",
         "trials_planned": len(trials),
         "seed": SEED,
         "hang_timeout_s": HANG_TIMEOUT,
+        "stall_window_s": STALL_WINDOW,
         "kernel_oom": why,
         "wall_s": round(time.monotonic() - started, 1),
         "summary": {k: v for k, v in summary.items() if k != "wrong"},
@@ -245,7 +255,9 @@ def _backend_params() -> list[Any]:
 def test_a_gpu_jobs_faults_are_named_by_rank_and_kind(backend: str, kind: str, tmp_path: Path) -> None:
     trial = faults.Trial(index=0, kind=kind, rank=1, world_size=2, timing="after")
     hang_timeout = NCCL_HANG_TIMEOUT if backend == "nccl" else HANG_TIMEOUT
-    result = faults.run_trial(trial, tmp_path, hang_timeout=hang_timeout, backend=backend)
+    result = faults.run_trial(
+        trial, tmp_path, hang_timeout=hang_timeout, backend=backend, stall_window=STALL_WINDOW
+    )
     assert (result.reported_rank, result.reported_kind) == (1, trial.fault.expected_kind), result.first_line
     assert result.leaked == 0, result.leaked_cmdlines
     if trial.fault.is_hang:

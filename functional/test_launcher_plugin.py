@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -243,7 +244,13 @@ def test_under_torchrun_the_function_runs_in_this_process(monkeypatch: pytest.Mo
         run_ranks(where_am_i, 2)
 
 
-def test_two_xdist_workers_run_rank_tests_at_once_without_colliding(pytester: pytest.Pytester) -> None:
+def test_two_xdist_workers_run_rank_tests_at_once_without_colliding(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its own admission ledger (this session's may be holding memory for other workers' launches),
+    # with room for both pairs: the controller makes one, in a temporary folder without --kit-report.
+    monkeypatch.delenv("KIT_ADMISSION_DIR", raising=False)
+    monkeypatch.setenv("KIT_HOST_MEMORY", "8GiB")
     pytester.makepyfile(
         """
         import json, os, time
@@ -263,8 +270,10 @@ def test_two_xdist_workers_run_rank_tests_at_once_without_colliding(pytester: py
             results = run_ranks(pair, 2, timeout=120)
             assert [r[2] for r in results] == [2.0, 2.0]
             span = (min(r[0] for r in results), max(r[1] for r in results))
+            ledger = os.environ["KIT_ADMISSION_DIR"]  # the controller's, without --kit-report too
             with open(f"{name}.json", "w") as f:
-                json.dump({"worker": os.environ["PYTEST_XDIST_WORKER"], "span": span}, f)
+                json.dump({"worker": os.environ["PYTEST_XDIST_WORKER"], "span": span, "ledger": ledger,
+                           "peak": json.load(open(os.path.join(ledger, "admission.json")))["peak_bytes"]}, f)
 
         def test_a():
             run_and_record("a")
@@ -279,6 +288,10 @@ def test_two_xdist_workers_run_rank_tests_at_once_without_colliding(pytester: py
     assert a["worker"] != b["worker"]
     # The two 2-rank launches overlapped in time, so four ranks rendezvoused at once.
     assert a["span"][0] < b["span"][1] and b["span"][0] < a["span"][1]
+    # Both workers went through the controller's one ledger, which was removed with its session.
+    assert a["ledger"] == b["ledger"] and not Path(a["ledger"]).exists()
+    # Both pairs were admitted before either ended (they overlapped): 2 x 2 ranks x the 1 GiB default.
+    assert a["peak"] == b["peak"] == 4 * 2**30
 
 
 def test_plugin_import_stays_light() -> None:

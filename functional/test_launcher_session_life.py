@@ -303,6 +303,8 @@ def test_a_malformed_kit_variable_is_a_usage_error_naming_it(tmp_path: Path) -> 
         "KIT_SEED": "seven",  # was blamed on the first launch's test
         "KIT_RANK_LOG_BYTES": "1KiB",  # could not hold one traceback
         "KIT_GOLDEN_PLATFORM": "../../x",  # wrote a candidate outside the test's folder
+        "KIT_STALL_WINDOW": "soon",  # would be blamed on the first launch's test
+        "KIT_DEFAULT_RANK_MEMORY": "lots",  # admission's share of a rank without a budget
     }
     for name, value in cases.items():
         proc = _start(tmp_path, "def test_nothing():\n    pass\n", env={**os.environ, name: value})

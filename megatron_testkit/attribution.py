@@ -27,6 +27,8 @@ class TestContext:
     budget: MemoryBudget | None = None
     log_root: str | None = None
     gpu: bool | None = None  # marked `gpu`; None outside a test (set by the plugin at setup)
+    # The test's stall_window marker: seconds, None (off), or "default" (KIT_STALL_WINDOW or 30 s).
+    stall_window: float | str | None = "default"
     runs: list[Run] = field(default_factory=list)
 
 

@@ -65,6 +65,17 @@ def parse_size(value: str | int | float | None) -> int | None:
     return size
 
 
+def parse_setting(name: str, raw: str) -> int:
+    """A size given in the setting ``name`` (an environment variable), in bytes; ValueError naming
+    the setting and its value, e.g. ``KIT_HOST_MEMORY='lots': cannot parse memory size ...``."""
+    try:
+        size = parse_size(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
+    assert size is not None
+    return size
+
+
 def format_size(size: int | float | None, other: int | float | None = None) -> str:
     """``1610612736`` -> ``"1.50 GiB"``; ``None`` -> ``"-"`` (for tables and messages).
 

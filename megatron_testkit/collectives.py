@@ -19,7 +19,8 @@ that one collective makes to another through the module's globals is counted as 
 see the same convention.
 
 The rank launcher (`megatron_testkit.rank_worker`) uses the same class without recording, only calling
-back on entry, to note the last collective each rank entered for hang diagnosis; a test's
+back on entry and exit, to note the last collective each rank entered and whether it is still
+inside it, for hang diagnosis and stall detection (`megatron_testkit.stall`); a test's
 counter installed later wraps the launcher's wrapper, and uninstalling it restores that one.
 
 torch is imported inside the methods, so importing `megatron_testkit` stays cheap.
@@ -66,7 +67,8 @@ class CollectiveCounter:
 
     `calls[phase]` lists the calls in order, each as its name followed by the global ranks of
     the group when one was passed by keyword (`"all_reduce[0, 2]"`), the bare name otherwise.
-    `on_enter(name)`, if given, runs before each call; `record=False` keeps no call list (and
+    `on_enter(name)`, if given, runs before each call and `on_exit(name)` after it returns or
+    raises (the launcher's stall detection: a rank is "inside" a collective between the two); `record=False` keeps no call list (and
     does not look up group ranks), for a counter that lives as long as the process.
     """
 
@@ -75,6 +77,7 @@ class CollectiveCounter:
         names: Iterable[str] = COLLECTIVES,
         *,
         on_enter: Callable[[str], None] | None = None,
+        on_exit: Callable[[str], None] | None = None,
         record: bool = True,
     ) -> None:
         self.names = tuple(names)
@@ -82,6 +85,7 @@ class CollectiveCounter:
         self.calls: dict[str, list[str]] = {}
         self._by_name: dict[str, Counter[str]] = {}
         self._on_enter = on_enter
+        self._on_exit = on_exit
         self._record = record
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -133,7 +137,12 @@ class CollectiveCounter:
                 ranks = _group_ranks(group) if group is not None else None
                 self.calls.setdefault(self.phase, []).append(f"{name}{ranks}" if ranks else name)
                 self._by_name.setdefault(self.phase, Counter())[name] += 1
-            return original(*args, **kwargs)
+            if self._on_exit is None:
+                return original(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._on_exit(name)
 
         return counted
 

@@ -54,14 +54,9 @@ CUDA_HOST_ALLOWANCE = 4 * 1024**3
 
 
 def _parse_size(value: str, name: str) -> int:
-    from megatron_testkit.budgets import parse_size
+    from megatron_testkit.budgets import parse_setting
 
-    try:
-        size = parse_size(value)
-    except ValueError as exc:
-        raise ValueError(f"{name}={value!r}: {exc}") from None
-    assert size is not None
-    return size
+    return parse_setting(name, value)
 
 
 def choose_backend(requested: str, world_size: int, *, gpus: int, gpu_test: bool | None) -> str:

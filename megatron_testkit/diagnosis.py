@@ -9,7 +9,9 @@ The rules, in order:
    closed by peer", NCCL's "communicator was aborted") is the root cause only when nothing else
    failed; the dead peer is the story, not the survivor that noticed.
 3. When nothing failed before the timeout it is a hang; the rank that entered the fewest
-   collectives is named (the one the others wait for), the lowest rank on ties.
+   collectives is named (the one the others wait for), the lowest rank on ties. A deadlock found
+   by the stall rule (`megatron_testkit.stall`) names the rank its verdict names, with every
+   rank's position.
 """
 
 from __future__ import annotations
@@ -207,11 +209,21 @@ def format_failure(
 ) -> str:
     """The `RankFailure` message: the root cause first, then the other ranks, then the logs."""
     kind = root.kind or "error"
-    if kind == "hang" and root.status != "failed":
+    stalled = root.extra.get("stall")
+    if kind == "hang" and stalled is not None:
+        first = (
+            f"rank {root.rank} hang: {stalled.why}; it entered the fewest of the group's collectives; "
+            f"stacks and collective counts of every rank below"
+        )
+    elif kind == "hang" and root.status != "failed":
         if "timed_out_rank" in root.extra:
             why = f"a collective timed out on rank {root.extra['timed_out_rank']}"
         else:
-            why = f"no rank finished within {timeout:g} s" if timeout is not None else "the launch timed out"
+            why = (
+                f"no rank finished within {timeout:g} s of its set-up"
+                if timeout is not None
+                else "the launch timed out"
+            )
         last = f", last {root.last_collective}" if root.last_collective else ", none yet"
         first = (
             f"rank {root.rank} hang: {why}; rank {root.rank} entered the fewest collectives "
@@ -222,6 +234,9 @@ def format_failure(
     lines = [first, ""]
     when = f" at +{root.time - started:.2f} s" if root.time is not None and started is not None else ""
     lines.append(f"Root cause: rank {root.rank} ({kind}){when}")
+    if stalled is not None:
+        lines.append("  where every rank was (the stall rule, megatron_testkit.stall):")
+        lines += [f"    {line}" for line in stalled.lines]
     if root.last_collective:
         lines.append(f"  last collective entered: {root.last_collective}")
     if root.traceback:
@@ -238,6 +253,8 @@ def format_failure(
             desc = f"{rec.kind}{why}: {rec.summary()}"
         elif rec.status == "torn_down":
             desc = "still running; torn down by the launcher after the root cause"
+        elif rec.status == "hung" and stalled is not None:
+            desc = "blocked too (deadlocked with the root cause)"
         elif rec.status == "hung":
             desc = "hung (still running at the timeout)"
         else:

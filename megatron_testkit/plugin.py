@@ -17,6 +17,10 @@ What it does for every test:
   their helpers are killed, the test is recorded as ``interrupted`` with the session's exit status
   (one stopped while its fixtures launched ranks as well), and the report and junit are written;
 - parses every ``KIT_*`` variable the kit reads at configuration (a bad value is a usage error);
+- keeps one memory-admission ledger for the whole session (`megatron_testkit.admission`), made by
+  the controller (in the session's log folder under ``--kit-report``, else a temporary folder) and
+  named to the xdist workers and nested sessions in ``KIT_ADMISSION_DIR``; the report holds the
+  session's peak of admitted memory against the runner's;
 - keeps rank logs under ``--kit-report DIR`` in a folder of this session's (`report_dir`).
   Other tests are left alone, so a project's own long-lived workers (a ProcessPoolExecutor kept
   across tests) survive; the pytest process' RSS growth is recorded for every test;
@@ -30,11 +34,14 @@ import contextlib
 import datetime
 import os
 import platform
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -43,7 +50,7 @@ from typing import Any
 import psutil
 import pytest
 
-from megatron_testkit import attribution, golden_plugin, skips
+from megatron_testkit import admission, attribution, golden_plugin, skips, stall
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
 from megatron_testkit.report import ReportCollector, build_report, format_table, plural, write_report
@@ -61,6 +68,8 @@ _MARKERS = (
     "world_size(n): the number of ranks the test launches (skips when a GPU test needs more GPUs than exist)",
     "memory_budget(host=None, device=None): per-rank peak limits, e.g. host='1.5GiB', device='4GiB'",
     "leak_guard: apply the kit's leak guard to this test although it launches no ranks",
+    "stall_window(seconds): a launch whose live ranks are all blocked in collectives this long is a hang "
+    "(None: off; default KIT_STALL_WINDOW or 30 s)",
 )
 _LEAK_GUARD_MODES = ("ranks", "all", "off")
 _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
@@ -68,6 +77,7 @@ _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
 
 _SAVED_ROOTS = pytest.StashKey[tuple]()
 _WORKER_LOG_ROOT = "kit_log_root"  # this session's log folder, handed to xdist workers
+_WORKER_LEDGER = "kit_admission_dir"  # this session's admission ledger, handed to xdist workers
 _SAVED_SIGNALS = pytest.StashKey[dict]()
 
 
@@ -118,12 +128,63 @@ class _KitSession:
         self.report: dict[str, Any] | None = None
         self.written: Any = None  # the ReportFiles written, or the one-line reason they were not
         self.interrupted_by = "interrupted"
+        self.ledger, self.own_ledger_dir, self.saved_ledger_env = self.open_ledger()
+        self.session_id = uuid.uuid4().hex
+        if self.ledger is not None:
+            self.ledger.join_session(self.session_id)
+
+    def open_ledger(self) -> tuple[admission.Ledger | None, Path | None, str | None]:
+        """The session's admission ledger: an enclosing session's (named in KIT_ADMISSION_DIR), else a
+        new one in this session's log folder or a temporary folder; named to every process started
+        from here on. Returns it, the folder this session made (removed at the end, if temporary)
+        and the variable's previous value."""
+        saved = os.environ.get(admission.LEDGER_ENV)
+        if not admission.enabled():
+            return None, None, saved
+        joined = admission.session_ledger()
+        if joined is not None:
+            return joined, None, saved
+        if self.logs is not None:
+            folder, made = self.logs.path / "admission", None
+        else:
+            folder = Path(tempfile.mkdtemp(prefix="kit-admission-"))
+            made = folder
+        ledger = admission.Ledger.create(folder, admission.capacity())
+        os.environ[admission.LEDGER_ENV] = str(folder)
+        return ledger, made, saved
+
+    def close_ledger(self) -> None:
+        """Put KIT_ADMISSION_DIR back (a pytester session runs inside another) and remove a temporary ledger."""
+        if self.saved_ledger_env is None:
+            os.environ.pop(admission.LEDGER_ENV, None)
+        else:
+            os.environ[admission.LEDGER_ENV] = self.saved_ledger_env
+        if self.own_ledger_dir is not None:
+            shutil.rmtree(self.own_ledger_dir, ignore_errors=True)
+            self.own_ledger_dir = None
+
+    def admission_figures(self) -> dict[str, Any]:
+        """The session's admission figures for its header (empty without admission)."""
+        if self.ledger is None:
+            return {}
+        with contextlib.suppress(OSError, ValueError):
+            figures = self.ledger.leave_session(self.session_id)
+            return {
+                "admission_limit_bytes": figures["limit_bytes"],
+                "admission_peak_bytes": figures["peak_bytes"],
+                "admission_source": figures["source"],
+                "admission_default_rank_bytes": admission.default_rank_bytes(),
+            }
+        return {}
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node: Any) -> None:
-        """xdist: the workers' launches keep their logs in this session's folder too."""
+        """xdist: the workers' launches keep their logs in this session's folder too, and go
+        through this session's admission ledger."""
         if self.logs is not None:
             node.workerinput[_WORKER_LOG_ROOT] = str(self.logs.path)
+        if self.ledger is not None:
+            node.workerinput[_WORKER_LEDGER] = str(self.ledger.folder)
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         self.interrupted_by = f"interrupted ({excinfo.exconly().strip()})"
@@ -206,6 +267,7 @@ class _KitSession:
             allowed_skips=_allowed_list(self.config.stash.get(_ALLOWED_SKIPS, None)),
             exit_status=exit_status,
             **repro_settings(self.config),
+            **self.admission_figures(),
         ).to_json()
 
 
@@ -267,6 +329,9 @@ def pytest_configure(config: pytest.Config) -> None:
         root = config.workerinput.get(_WORKER_LOG_ROOT)  # type: ignore[attr-defined]
         if root:
             attribution.set_log_root(root)
+        ledger = config.workerinput.get(_WORKER_LEDGER)  # type: ignore[attr-defined]
+        if ledger:
+            os.environ[admission.LEDGER_ENV] = ledger
     else:
         kit_session = _KitSession(config)
         config.pluginmanager.register(kit_session, "kit-session-report")
@@ -301,6 +366,9 @@ def _check_kit_environment() -> None:
         devices.required_gpus,
         lambda: attribution.seed_for(""),
         _check_rank_cgroup,
+        admission.enabled,
+        admission.default_rank_bytes,
+        stall.default_window,
     )
     for check in checks:
         try:
@@ -373,8 +441,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     for signum, previous in config.stash.get(_SAVED_SIGNALS, {}).items():
         signal.signal(signum, previous)
     kit_session = config.pluginmanager.get_plugin("kit-session-report")
-    if kit_session is not None and kit_session.logs is not None:
-        kit_session.logs.close()
+    if kit_session is not None:
+        kit_session.close_ledger()
+        if kit_session.logs is not None:
+            kit_session.logs.close()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -415,6 +485,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     context = attribution.current()
     if mark is not None and context is not None:
         context.budget = MemoryBudget.from_marker(mark)
+    window = item.get_closest_marker("stall_window")
+    if window is not None and context is not None:
+        context.stall_window = _stall_window_of(window)
     gpu = item.get_closest_marker("gpu") is not None
     if context is not None:
         context.gpu = gpu  # run_ranks gives NCCL and the GPUs only to `gpu` tests
@@ -431,6 +504,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail(gate.reason, pytrace=False)
     if gate.action == "skip":
         skips.skip(gate.capability, gate.reason)
+
+
+def _stall_window_of(mark: pytest.Mark) -> float | None:
+    """``stall_window(seconds)`` (None: off), checked; a bad value fails the test naming the marker."""
+    if not mark.args and "seconds" not in mark.kwargs:
+        pytest.fail("stall_window(seconds) needs its seconds, or None to turn the rule off", pytrace=False)
+    value = mark.args[0] if mark.args else mark.kwargs["seconds"]
+    try:
+        return stall.check_window(value, "stall_window(seconds)")
+    except (TypeError, ValueError) as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 # ---- attribution and per-test measurements -----------------------------------------------------

@@ -117,3 +117,17 @@ def command_line(pid: int, limit: int = 160) -> str:
     except OSError:
         text = "(gone)"
     return f"pid {pid}: {text[:limit]}"
+
+
+def cpu_seconds(pid: int | str = "self", tid: int | None = None) -> float | None:
+    """CPU time (user + system) a process has used, all its threads, or one thread ``tid`` of it;
+    None when it is gone. From /proc/<pid>[/task/<tid>]/stat, in clock ticks."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as f:
+            text = f.read()
+        # The command name (field 2) is in parentheses and may hold spaces: split after it.
+        fields = text[text.rindex(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

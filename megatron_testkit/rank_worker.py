@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit import devices, procfs
+from megatron_testkit import devices, procfs, stall
 from megatron_testkit.budgets import MemoryBudgetExceeded
 from megatron_testkit.procfs import current_rss_bytes
 
@@ -75,7 +75,15 @@ class _Rank:
         self.started = time.time()
         self.lock = threading.Lock()
         self.collective_seq = 0
+        self.group_seq = 0  # the group collectives among them (point-to-point ops excluded)
         self.last_collective: str | None = None
+        # The collective this rank is inside (the outermost: one collective may call another), for
+        # the launcher's stall detection (`megatron_testkit.stall`); None outside any.
+        self.inside: str | None = None
+        self.depth = 0
+        self.ready = False  # its process group is up
+        self.ready_at: float | None = None  # when (time.time()), for the report's setup_s
+        self.kit_tids: list[int] = []  # the kit's own threads, whose CPU is not the rank's progress
         self.state_fd = os.open(self.run_dir / f"rank{rank}.state", os.O_WRONLY | os.O_CREAT, 0o644)
         self.stacks = open(self.run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 (lives until exit)
         self.record_written = False
@@ -107,6 +115,7 @@ class _Rank:
                 "collective_seq": self.collective_seq,
                 "in_function": self.in_function,
                 "idle_host_bytes": self.idle_host_bytes,
+                "ready_at": self.ready_at,
                 **fields,
             }
             tmp = self.run_dir / f"rank{self.rank}.json.tmp"
@@ -140,13 +149,41 @@ class _Rank:
 
     # -- collectives -------------------------------------------------------------------------
     def entered(self, name: str) -> None:
-        """Note the collective just entered (in the record and in rank<N>.state for crashes)."""
+        """Note the collective just entered (in the record and in rank<N>.state for crashes and stalls)."""
         with self.lock:
-            self.collective_seq += 1
-            self.last_collective = f"{name} #{self.collective_seq}"
-            line = json.dumps({"last_collective": self.last_collective, "seq": self.collective_seq})
-            with contextlib.suppress(OSError):
-                os.pwrite(self.state_fd, line.ljust(255).encode()[:255] + b"\n", 0)
+            if name != "wait":  # waiting on an async op is time inside it, not a new collective
+                self.collective_seq += 1
+                self.group_seq += name not in stall.P2P_OPS
+                self.last_collective = f"{name} #{self.collective_seq}"
+            if self.depth == 0:
+                self.inside = (
+                    self.last_collective if name != "wait" else f"wait on {self.last_collective or 'an op'}"
+                )
+            self.depth += 1
+            self.write_state()
+
+    def left(self, name: str) -> None:
+        """Note that the call entered last returned (or raised)."""
+        with self.lock:
+            self.depth = max(0, self.depth - 1)
+            if self.depth == 0:
+                self.inside = None
+            self.write_state()
+
+    def write_state(self) -> None:
+        """rank<N>.state: the last collective, the one the rank is inside, whether it is set up."""
+        stall.write_state(
+            self.state_fd,
+            {
+                "last_collective": self.last_collective,
+                "seq": self.collective_seq,
+                "group_seq": self.group_seq,
+                "inside": self.inside,
+                "ready": self.ready,
+                "ready_at": self.ready_at,
+                "kit_tids": self.kit_tids,
+            },
+        )
 
     def track_collectives(self) -> None:
         """Wrap torch.distributed's collectives to remember the last one entered.
@@ -157,7 +194,8 @@ class _Rank:
         """
         from megatron_testkit.collectives import CollectiveCounter
 
-        CollectiveCounter(on_enter=self.entered, record=False).install()
+        CollectiveCounter(on_enter=self.entered, on_exit=self.left, record=False).install()
+        stall.track_work_waits(self.entered, self.left)
 
     # -- memory ------------------------------------------------------------------------------
     def watch_host_memory(self, budget: int, interval: float = 0.02) -> None:
@@ -174,6 +212,8 @@ class _Rank:
         """
 
         def watch() -> None:
+            with self.lock:
+                self.kit_tids.append(threading.get_native_id())
             while True:
                 rss, parts = self.memory.sample()
                 if rss > budget:
@@ -388,6 +428,9 @@ def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[A
         world_size=spec["world_size"],
         timeout=timedelta(seconds=spec["pg_timeout_s"]),
     )
+    with state.lock:  # the launcher's timeout counts from here (spawn and imports are load, not the test)
+        state.ready, state.ready_at = True, time.time()
+        state.write_state()
     return fn, args
 
 

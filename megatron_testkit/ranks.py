@@ -36,6 +36,7 @@ import psutil
 
 from accounting.json_input import JsonInputError, load_json
 from megatron_testkit import (
+    admission,
     attribution,
     devices,
     flight_recorder,
@@ -44,6 +45,7 @@ from megatron_testkit import (
     rank_log,
     rank_worker,
     runner_limit,
+    stall,
 )
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
@@ -69,6 +71,8 @@ TIMEOUT_ENV = "KIT_RANK_TIMEOUT"
 # errors are evidence) before the launcher dumps their stacks and kills them.
 _GRACE_S = 1.0
 _POLL_S = 0.05
+# How often the launcher reads the ranks' positions (set-up done, collective, CPU) for stalls.
+_POSITION_S = 0.25
 _LOG_TAIL_LINES = 40
 # A rank's record is its own JSON, a few kB; a traceback or a huge exception message is clipped
 # here rather than read whole (the record is untrusted: the rank ran arbitrary code).
@@ -192,6 +196,7 @@ def _main_source() -> dict[str, str] | None:
 
 
 def _threads_per_rank(world_size: int) -> int:
+    """Without a ledger: the cores split between this launch's ranks and the other xdist workers."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     # Also share the cores with the other xdist workers: oversubscription, not compute, is
     # what made 2-rank CPU runs several times slower in the measurements.
@@ -247,7 +252,14 @@ def _run_dir(test_id: str | None, log_root: str | None) -> tuple[Path, bool]:
 
 def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, threads: int) -> dict:
     child = dict(os.environ)
-    for key in ("PYTEST_XDIST_WORKER", "TORCHELASTIC_RUN_ID", "LOCAL_RANK", "GROUP_RANK"):
+    # Not the session's ledger: a launch inside a rank would wait for the memory its parent holds.
+    for key in (
+        "PYTEST_XDIST_WORKER",
+        "TORCHELASTIC_RUN_ID",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        admission.LEDGER_ENV,
+    ):
         child.pop(key, None)
     child.update(
         {
@@ -297,8 +309,9 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     for key in ("collective_seq", "peak_host_bytes", "peak_device_bytes", "idle_host_bytes"):
         value = data.get(key)
         out[key] = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-    when = data.get("time")
-    out["time"] = float(when) if isinstance(when, int | float) and not isinstance(when, bool) else None
+    for key in ("time", "ready_at"):
+        when = data.get(key)
+        out[key] = float(when) if isinstance(when, int | float) and not isinstance(when, bool) else None
     in_function = data.get("in_function", True)
     out["in_function"] = in_function if isinstance(in_function, bool) else True
     return out
@@ -377,6 +390,7 @@ class _RankProcess:
                 rec.extra[key] = data[key]
             rec.extra["in_function"] = data["in_function"]
             rec.extra["idle_host_bytes"] = data["idle_host_bytes"]
+            rec.extra["ready_at"] = data["ready_at"]
             if data["status"] == "failed" and rec.status in ("ok", "torn_down", "hung"):
                 rec.status = "failed"
         else:
@@ -387,6 +401,10 @@ class _RankProcess:
                     last, seq = state.get("last_collective"), state.get("seq")
                     rec.last_collective = last if isinstance(last, str) else None
                     rec.collective_seq = seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
+                    ready = state.get("ready_at")
+                    rec.extra["ready_at"] = (
+                        ready if isinstance(ready, int | float) and not isinstance(ready, bool) else None
+                    )
         with contextlib.suppress(OSError), open(run_dir / f"rank{self.rank}.stacks", "rb") as f:
             rec.stack = f.read(_MAX_TEXT).decode(errors="replace").strip() or None
         # A rank killed without a record (NCCL's watchdog aborts with SIGABRT) is diagnosed
@@ -412,6 +430,7 @@ class _Launch:
         args: Sequence[Any],
         env: dict[str, str] | None,
         budget: MemoryBudget | None,
+        stall_window: float | str | None = "default",
     ) -> None:
         payload = _check_picklable(fn, args)
         # The runner's memory: enforced here on the ranks' summed RSS (KIT_HOST_MEMORY), or by the
@@ -426,9 +445,20 @@ class _Launch:
         self.budget = budget or MemoryBudget()
         IDLE_FOOTPRINT.refuse_below(self.budget)
         self.world_size, self.timeout = world_size, timeout
+        # The stall window: the argument, else the test's stall_window marker, else KIT_STALL_WINDOW.
+        if stall_window == "default":
+            stall_window = (
+                context.stall_window
+                if context is not None and context.stall_window != "default"
+                else stall.default_window()
+            )
+        self.stall_window = stall.check_window(stall_window)
         # Marked `gpu` or not (None outside a test): only `gpu` tests get NCCL and see the GPUs.
         self.gpu_test = context.gpu if context is not None else None
         self.backend = choose_backend(backend, world_size, self.gpu_test)
+        self.ledger = admission.session_ledger()
+        if self.ledger is not None:  # refused before anything is made: it could only wait forever
+            self.ledger.refuse_never_fits(self.admission_share(), world_size, self.test_id)
         # The process group times out before the launch does, so NCCL's watchdog writes its flight
         # recorder while the launcher still waits; gloo gets the same margin.
         self.pg_timeout = max(5.0, min(timeout * 0.8, timeout - 10.0))
@@ -438,7 +468,7 @@ class _Launch:
         )
         (self.run_dir / "payload.pkl").write_bytes(payload)
         self.spec_path = self.run_dir / "spec.json"
-        self.spec_path.write_text(json.dumps(self._spec(fn)))
+        self.fn = fn
         # NCCL: flight recorder on, dumps and dump-request pipes in the launch's directory.
         self.env = flight_recorder.nccl_env(self.run_dir) if self.backend == "nccl" else {}
         self.env.update(devices.rank_device_env(self.backend, gpu_test=self.gpu_test))
@@ -457,11 +487,28 @@ class _Launch:
         self.oom_before = self._oom_counters()
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
+        self.ticket: admission.Ticket | None = None
+        self.last_dump_request = 0.0
+        self.stall_verdict: stall.Stall | None = None
         self.subreaper = False  # this process adopts orphans from `start` to `close`
         self.children_before: set[int] = set()
         self.started = time.time()
 
-    def _spec(self, fn: Callable[..., Any]) -> dict[str, Any]:
+    def admission_share(self) -> int:
+        """The bytes this launch's ranks take in the session's ledger: their host budgets (the CUDA
+        host allowance included), or the default per rank for a test that declares none."""
+        per_rank = devices.rank_host_budget(self.budget.host_bytes, self.backend, gpu_test=self.gpu_test)
+        return (per_rank or admission.default_rank_bytes()) * self.world_size
+
+    def admit(self) -> int:
+        """Wait for the ledger to admit this launch (`admission.NeverFits` at once if it cannot);
+        the threads per rank: the free cores split between its ranks."""
+        if self.ledger is None:
+            return _threads_per_rank(self.world_size)
+        self.ticket = self.ledger.admit(self.admission_share(), self.world_size, self.test_id)
+        return self.ticket.threads
+
+    def _spec(self, fn: Callable[..., Any], threads: int) -> dict[str, Any]:
         """What every rank reads at start (``rank_worker.run``)."""
         sys_path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         package_root = str(Path(__file__).resolve().parent.parent)
@@ -476,7 +523,7 @@ class _Launch:
             "pg_timeout_s": self.pg_timeout,
             "seed": self.seed,  # rank r seeds random, numpy and torch with seed + r
             "gpu_test": self.gpu_test,
-            "threads": _threads_per_rank(self.world_size),
+            "threads": threads,
             "budget_host_bytes": self.budget.host_bytes,
             "budget_device_bytes": self.budget.device_bytes,
             "sys_path": sys_path,
@@ -485,10 +532,12 @@ class _Launch:
         }
 
     def start(self) -> None:
-        """Spawn every rank in its own session, its output going through a pipe to ``rank<N>.log``
+        """Once admitted, spawn every rank in its own session, its output going through a pipe to ``rank<N>.log``
         (capped: `megatron_testkit.rank_log`); from now until `close` this process adopts the
         orphans the ranks leave (`proctree.hold_subreaper`)."""
-        threads = _threads_per_rank(self.world_size)
+        threads = self.admit()
+        self.spec_path.write_text(json.dumps(self._spec(self.fn, threads)))
+        self.spawned, self.spawned_at = time.monotonic(), time.time()
         cap = rank_log.log_cap()
         proctree.hold_subreaper()
         self.subreaper = True
@@ -513,17 +562,24 @@ class _Launch:
             self.ranks.append(_RankProcess(rank, proc, log))
 
     def supervise(self) -> bool:
-        """Poll the ranks until all exit, one fails (plus a grace), or the timeout; True on a hang."""
+        """Poll the ranks until all exit, one fails (plus a grace), the ranks deadlock (every live one
+        blocked for the stall window) or the timeout, counted from when every rank's process group is
+        up (spawn and imports are the machine's load, not the test's; they get a timeout of their
+        own); True on a hang."""
         __tracebackhide__ = True  # an interrupt (pytest-timeout) lands here: show the test, not this
-        deadline = time.monotonic() + self.timeout
+        deadline = self.spawned + self.timeout
+        ready_at: float | None = None
         first_failure: float | None = None
-        last_scan = 0.0
+        last_scan = last_position = 0.0
+        detector = self.stall_detector()
         while True:
             now = time.monotonic()
             for r in self.running():
                 record = self.run_dir / f"rank{r.rank}.json"
                 if r.poll(sample_rss=self.host_limit is not None, record=record) and first_failure is None:
                     first_failure = now
+                if r.status != "running" and detector is not None:
+                    detector.rank_exited(r.rank)
             if self.host_limit is not None:
                 self.enforce_host_limit(self.host_limit)
             if now - last_scan > 0.5:
@@ -535,10 +591,55 @@ class _Launch:
             if first_failure is not None and now - first_failure > _GRACE_S:
                 self.stop(running, "torn_down")
                 return False
+            if now - last_position > _POSITION_S:
+                last_position = now
+                positions = self.positions(running)
+                if (
+                    ready_at is None
+                    and len(positions) == len(running)
+                    and all(p.ready for p in positions.values())
+                ):
+                    ready_at = now
+                    deadline = max(deadline, ready_at + self.timeout)
+                if detector is not None:
+                    for r in running:
+                        detector.observe(now, r.rank, positions.get(r.rank))
+                    self.stall_verdict = detector.verdict(now, [r.rank for r in running])
+                    if self.stall_verdict is not None:
+                        self.stop(running, "hung")
+                        return True
             if now > deadline:
                 self.stop(running, "hung")
                 return True
             time.sleep(_POLL_S)
+
+    def stall_detector(self) -> stall.StallDetector | None:
+        """The launch's deadlock watch (None with the stall window off); NCCL ranks are judged by
+        their flight recorders' progress, the others by the host's view."""
+        if self.stall_window is None:
+            return None
+        if self.backend == "nccl":
+            return stall.StallDetector(self.stall_window, min_work=0.5)
+        return stall.StallDetector(self.stall_window)
+
+    def positions(self, running: list[_RankProcess]) -> dict[int, stall.Position]:
+        """Each running rank's position (its state line and CPU; on NCCL, its flight recorder's)."""
+        out = {}
+        for r in running:
+            position = stall.read_position(self.run_dir, r.rank, r.proc.pid)
+            if position is not None:
+                out[r.rank] = position
+        if self.backend == "nccl" and self.stall_window is not None:
+            stem = self.run_dir / flight_recorder.DUMP_STEM
+            now = time.monotonic()
+            if now - self.last_dump_request > max(1.0, self.stall_window / 4):  # a dump costs the rank
+                self.last_dump_request = now
+                flight_recorder.request_dumps(stem, [r.rank for r in running])  # read at a later poll
+            for rank, position in stall.nccl_positions(stem, out).items():
+                out[rank] = stall.Position(
+                    position.inside, position.seq, position.group_seq, out[rank].ready, position.work
+                )
+        return out
 
     def scan_trees(self) -> None:
         """Remember helpers that might leave the rank's process group before it dies, and sample
@@ -655,6 +756,11 @@ class _Launch:
         if root is None and not hung:
             return None
         assert root is not None
+        if self.stall_verdict is not None and root.status == "hung":
+            # Deadlocked: the rank the others wait for, as the stall rule named it.
+            root = records[self.stall_verdict.rank]
+            root.kind = "hang"
+            root.extra["stall"] = self.stall_verdict
         _refuse_if_failed_at_startup(root, self.budget)
         message = format_failure(
             root, records, timeout=self.timeout, log_dir=str(self.run_dir), started=self.started
@@ -700,7 +806,8 @@ class _Launch:
         return proctree.adopted_since(self.children_before, {r.proc.pid for r in self.ranks})
 
     def close(self) -> int:
-        """Kill whatever is left of the ranks' trees, close the logs; how many helpers leaked.
+        """Kill whatever is left of the ranks' trees, close the logs, give the launch's memory back
+        to the ledger; how many helpers leaked.
 
         Left: the ranks' process groups, the helpers seen in their trees, orphans re-parented to
         this process (it is a subreaper while it launches: a process cannot opt out by leaving its
@@ -724,7 +831,16 @@ class _Launch:
                 proctree.release_subreaper()
             for r in self.ranks:
                 r.log.close()
+            if self.ticket is not None and self.ledger is not None:
+                self.ledger.release(self.ticket)
         return leaked
+
+    def setup_s(self, records: list[RankRecord]) -> float | None:
+        """Seconds from spawn until the last rank's process group was up (None if one never got there)."""
+        ready = [r.extra.get("ready_at") for r in records]
+        if not records or not all(isinstance(t, (int, float)) for t in ready):
+            return None
+        return round(max(ready) - self.spawned_at, 3)
 
     def report(self, records: list[RankRecord], failure: BaseException | None, leaked: int) -> None:
         """Attribute the launch to the running test and keep or remove its directory."""
@@ -742,6 +858,9 @@ class _Launch:
                 leaked_processes=leaked,
                 device=next((r.extra["device"] for r in records if r.extra.get("device")), None),
                 platform=next((r.extra["platform"] for r in records if r.extra.get("platform")), None),
+                queued_s=self.ticket.queued_s if self.ticket is not None else None,
+                admitted_bytes=self.ticket.bytes if self.ticket is not None else None,
+                setup_s=self.setup_s(records),
             )
         )
         if not self.keep and failure is None:
@@ -776,17 +895,23 @@ def run_ranks(
     args: Sequence[Any] = (),
     env: dict[str, str] | None = None,
     budget: MemoryBudget | None = None,
+    stall_window: float | str | None = "default",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh ranks; return their results.
 
     The default process group is initialised before ``fn`` and destroyed after it. ``backend``
     is ``auto`` (NCCL with at least ``world_size`` GPUs, else gloo), ``gloo`` or ``nccl``.
-    ``timeout`` (seconds from spawn, finite and above 0; default ``KIT_RANK_TIMEOUT`` or 300)
-    bounds the whole launch; past it every rank's Python stack is dumped and the launch fails as
-    a hang. ``env`` adds environment variables for the ranks.
-    ``budget`` overrides the test's ``memory_budget`` marker. Raises `RankFailure` when any rank
-    fails, `TypeError` when ``fn`` cannot be imported by name in a fresh process, and
-    `BudgetBelowFootprint` when the host budget is smaller than an idle rank.
+    ``timeout`` (seconds, finite and above 0; default ``KIT_RANK_TIMEOUT`` or 300) bounds the
+    launch from the moment every rank's process group is up (and, separately, the ranks' set-up
+    from spawn); past it every rank's Python stack is dumped and the launch fails as a hang. ``env`` adds environment variables for the ranks.
+    ``budget`` overrides the test's ``memory_budget`` marker. ``stall_window`` (seconds, or None
+    for off; default the test's ``stall_window`` marker, else ``KIT_STALL_WINDOW``, else 30 s): when
+    every live rank has been blocked in a collective that long, the launch fails as a ``hang`` at
+    once (`megatron_testkit.stall`). In a session, the launch first waits until the session's
+    admission ledger has room for its ranks' budgets (`megatron_testkit.admission`). Raises
+    `RankFailure` when any rank fails, `TypeError` when ``fn`` cannot be imported by name in a
+    fresh process, `BudgetBelowFootprint` when the host budget is smaller than an idle rank, and
+    `admission.NeverFits` when its ranks' budgets exceed the runner's memory.
     """
     __tracebackhide__ = True  # pytest shows the kit's message and the rank's traceback, not this source
     # Checked before anything is made or spawned: a bad argument is the caller's, no rank's.
@@ -796,7 +921,16 @@ def run_ranks(
         from megatron_testkit.torchrun import run_in_torchrun
 
         return run_in_torchrun(fn, world_size, backend=backend, args=args)
-    launch = _Launch(fn, world_size, backend=backend, timeout=timeout, args=args, env=env, budget=budget)
+    launch = _Launch(
+        fn,
+        world_size,
+        backend=backend,
+        timeout=timeout,
+        args=args,
+        env=env,
+        budget=budget,
+        stall_window=stall_window,
+    )
     failure: BaseException | None = None
     try:
         launch.start()

@@ -86,6 +86,9 @@ class TestRow:
             worker=self.worker,
             skip_capability=self.skip_capability,
             metrics=TestMetrics.from_json(self.metrics) if self.metrics else None,
+            queued_s=_sum_of(run.queued_s for run in self.runs),
+            admitted_bytes=_max_of(run.admitted_bytes for run in self.runs),
+            setup_s=_sum_of(run.setup_s for run in self.runs),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -129,6 +132,11 @@ def caught_note(row: dict[str, Any]) -> str:
 
 def _max(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else max(a, b)
+
+
+def _sum_of(values: Any) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known), 3) if known else None
 
 
 def _max_of(values: Any) -> int | None:
@@ -290,6 +298,27 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     return out
 
 
+def admission_line(report: dict[str, Any]) -> str:
+    """``admission: peak 3.00 GiB of 6.52 GiB admitted (KIT_HOST_MEMORY=7GB); 4 launches queued
+    12.3 s in all; 1.00 GiB a rank for 9 launches without a memory_budget`` ('' without admission)."""
+    session = report["session"]
+    limit = session.get("admission_limit_bytes")
+    if limit is None:
+        return ""
+    queued = [row["queued_s"] for row in report["tests"] if row.get("queued_s")]
+    default = session.get("admission_default_rank_bytes")
+    undeclared = sum(
+        1
+        for row in report["tests"]
+        if row["world_size"] and row.get("admitted_bytes") and row["budget_host_bytes"] is None
+    )
+    return (
+        f"admission: peak {format_size(session.get('admission_peak_bytes'))} of {format_size(limit)} admitted "
+        f"({session.get('admission_source') or '?'}); {len(queued)} tests queued {sum(queued):.1f} s in all; "
+        f"{format_size(default)} a rank for the {undeclared} rank tests without a memory_budget"
+    )
+
+
 def skip_counts(report: dict[str, Any]) -> dict[str, int]:
     """Skipped tests per declared capability (``undeclared`` for a free-text skip), most first.
 
@@ -327,6 +356,9 @@ def _footer(report: dict[str, Any], written: bool = True) -> list[str]:
     skipped = skip_counts(report) if skip_summary_asked(report["session"]) else {}
     if skipped:
         lines.append("skips by capability: " + ", ".join(f"{name} {n}" for name, n in skipped.items()))
+    admitted = admission_line(report)
+    if admitted:
+        lines.append(admitted)
     leaked = sum(row["leaked_processes"] for row in report["tests"])
     if leaked:
         killed = "was" if leaked == 1 else "were"

@@ -25,10 +25,13 @@ from megatron_testkit.metrics import TestMetrics
 # 3: TestEntry.launches is a list of `Launch` records (each launch's verdict, caught or not; it was
 # a count); the session records what a repro needs: ``settings`` (the KIT_* and hypothesis
 # variables), ``hypothesis_seed``, ``runner_memory_bytes``/``runner_memory_source``, and
-# ``skip_summary``.
+# ``skip_summary``; memory admission (megatron_testkit.admission): a launch's and a test's
+# ``queued_s``, ``admitted_bytes`` and ``setup_s``, the session's ``admission_*`` figures (limit,
+# peak admitted).
 REPORT_VERSION = 3
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
-# (they kept only a count, no launch's verdict) and without the version-3 session fields.
+# (they kept only a count, no launch's verdict), without the version-3 session fields and without
+# admission.
 READ_VERSIONS = (1, 2, 3)
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
@@ -146,6 +149,13 @@ class Run:
     # platform they named (`megatron_testkit.golden.launch_platform`); absent in older reports.
     device: str | None = None
     platform: str | None = None
+    # Seconds the launch waited for the session's admission ledger, and the bytes it was admitted
+    # with (its ranks' budgets, or the default per rank); None without admission or before version 3.
+    queued_s: float | None = None
+    admitted_bytes: int | None = None
+    # Seconds from spawn until every rank's process group was up (Python, torch, the test's module,
+    # the rendezvous): the launch timeout counts from there. None when they never all got there.
+    setup_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The launch as plain JSON types."""
@@ -159,6 +169,11 @@ class Run:
         values["failure"] = Failure.from_json(data["failure"]) if data.get("failure") else None
         for key in ("device", "platform"):
             values[key] = values[key] if isinstance(values.get(key), str) else None
+        for key in ("queued_s", "setup_s"):
+            values[key] = float(values[key]) if _is_number(values.get(key)) else None
+        values["admitted_bytes"] = (
+            values.get("admitted_bytes") if _is_int(values.get("admitted_bytes")) else None
+        )
         return cls(**values)
 
 
@@ -259,6 +274,11 @@ class TestEntry:
     worker: str | None = None
     skip_capability: str | None = None  # what a skipped test declared it needs (megatron_testkit.skips)
     metrics: TestMetrics | None = None  # recorded metric series and their platform (golden values)
+    # Summed over its launches: seconds waited for admission and spent setting ranks up; the
+    # largest admitted share (bytes).
+    queued_s: float | None = None
+    admitted_bytes: int | None = None
+    setup_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The row as plain JSON types, in the report's field names."""
@@ -279,8 +299,12 @@ class TestEntry:
             "budget_device_bytes",
             "pytest_rss_before_bytes",
             "pytest_rss_after_bytes",
+            "admitted_bytes",
         ):
             if name in values and not _is_int(values[name]):
+                values[name] = None
+        for name in ("queued_s", "setup_s"):
+            if name in values and not _is_number(values[name]):
                 values[name] = None
         values["world_size"] = values.get("world_size") or 0
         values["leaked_processes"] = (
@@ -371,6 +395,13 @@ class Session:
     runner_memory_bytes: int | None = None
     runner_memory_source: str | None = None
     skip_summary: bool | None = None
+    # Memory admission (version 3; None without it): the runner's memory the ledger held
+    # (``admission_source`` says where the figure came from), the session's peak of admitted
+    # memory against it, and the share a rank of a test without a memory_budget is admitted with.
+    admission_limit_bytes: int | None = None
+    admission_peak_bytes: int | None = None
+    admission_source: str | None = None
+    admission_default_rank_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -382,9 +413,11 @@ class Session:
         if not isinstance(data, dict):
             raise SchemaError("'session' is not an object")
         values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
-        for name in ("ci_job", "megatron_core", "torch"):
+        for name in ("ci_job", "megatron_core", "torch", "admission_source"):
             if not isinstance(values[name], str):
                 values[name] = None
+        for name in ("admission_limit_bytes", "admission_peak_bytes", "admission_default_rank_bytes"):
+            values[name] = values[name] if _is_int(values[name]) else None
         values["gpus"] = values["gpus"] if _is_int(values["gpus"]) else 0
         values["exit_status"] = values["exit_status"] if _is_int(values["exit_status"]) else None
         values["dropped_sessions"] = (
@@ -454,6 +487,10 @@ def _metrics(data: Any, where: str) -> TestMetrics | None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # ---- checking a report read back: every field typed and bounded, fail closed -----------------

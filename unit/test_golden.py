@@ -151,7 +151,9 @@ def test_report_carries_metrics_and_reads_a_version_1_report() -> None:
     for when, kit in (("setup", {}), ("call", {"metrics": found.to_json()}), ("teardown", {})):
         collector.add(_phase("t.py::a", when, kit))
     report = build_report({}, collector.rows_json())
-    assert report["version"] == 3  # metrics since version 2
+    assert (
+        report["version"] == 3
+    )  # 2: metrics; 3: launches as records, admission (the version this kit writes)
     assert report["tests"][0]["metrics"] == found.to_json()
     assert Report.from_json(json.loads(json.dumps(report))).tests[0].metrics == found
     old = Report.from_json({"version": 1, "session": {}, "tests": [{"nodeid": "a", "outcome": "passed"}]})

@@ -202,7 +202,7 @@ def test_the_schema_is_the_report_contract_and_round_trips() -> None:
     # The field names written are the schema's, the same the contract (TEST_KEYS) lists.
     assert set(report["tests"][0]) == {f for f in TestEntry.__dataclass_fields__}
     assert set(report["tests"][0]) >= TEST_KEYS
-    assert report["version"] == REPORT_VERSION == 3  # 2: metrics per test; 3: launches as records
+    assert report["version"] == REPORT_VERSION == 3  # 2: metrics per test; 3: launches as records, admission
     parsed = Report.from_json(json.loads(json.dumps(report)))
     assert parsed.to_json() == report
     assert parsed.tests[0].failure is not None and (
@@ -378,8 +378,26 @@ def test_the_session_check_counts_in_the_singular() -> None:
         return {"nodeid": nodeid, "world_size": 2, "pytest_rss_before_bytes": 0,
                 "pytest_rss_after_bytes": grew, "leaked_processes": leaked}  # fmt: skip
 
-    problems = check_report({"tests": [row("t.py::a", 0), row("t.py::b", 2**40, leaked=1)]})
-    assert any(" MiB over 1 rank test after the first (bound " in p for p in problems), problems
+    problems = check_report({"session": {}, "tests": [row("t.py::a", 0), row("t.py::b", 2**40, leaked=1)]})
+    assert any(" MiB over 1 rank test after each process' first (bound " in p for p in problems), problems
     assert "t.py::b left 1 process behind" in problems
     session = {"pytest_rss_start_bytes": 0, "pytest_rss_end_bytes": 0}
     assert summary({"session": session, "tests": [row("t.py::a", 0)]}).startswith("1 test, 1 with ranks; ")
+
+
+def test_a_version_2_report_reads_with_the_admission_fields_null() -> None:
+    from megatron_testkit.schema import Report, Session, check_report
+
+    row = {"nodeid": "t.py::a", "outcome": "passed", "world_size": 2, "ranks": [{"rank": 0}], "launches": 1}
+    old = {"version": 2, "session": {"host": "h", "duration_s": 1.0}, "tests": [row]}
+    parsed = Report.from_json(old)
+    assert (parsed.tests[0].queued_s, parsed.tests[0].admitted_bytes, parsed.tests[0].setup_s) == (
+        None,
+        None,
+        None,
+    )
+    assert Session.from_json(old["session"]).admission_peak_bytes is None
+    assert check_report(old).tests[0].nodeid == "t.py::a"
+    # Written now, the fields are there, typed, and a wrong type is refused naming the field.
+    with pytest.raises(Exception, match=r"tests\[0\]\.queued_s is not a finite number"):
+        check_report({**old, "version": 3, "tests": [{**row, "launches": [], "queued_s": "long"}]})

@@ -478,7 +478,10 @@ def test_repro_runs_each_rows_pytest_arguments_as_the_row_declares_them() -> Non
 def test_ci_test_sh_passes_the_same_report_arguments_as_the_rows() -> None:
     """ci/test.sh hard-codes its report arguments; they must be the prefix `repro` uses too."""
     script = (ROOT / "ci" / "test.sh").read_text()
-    pattern = r'-m pytest "\$\{select\[@\]\}" --kit-report[= ]reports --junitxml[= ]reports/junit\.xml "\$@"'
+    pattern = (
+        r'-m pytest "\$\{select\[@\]\}" "\$\{parallel\[@\]\}" --kit-report[= ]reports '
+        r'--junitxml[= ]reports/junit\.xml "\$@"'
+    )
     assert re.search(pattern, script), (
         "ci/test.sh no longer runs pytest with the report arguments repro mirrors"
     )
@@ -553,13 +556,13 @@ def test_usage_errors_go_to_stderr_with_exit_2(args: tuple[str, ...], words: str
 
 
 # Every subcommand, as the issue names them (not read from ci/cli.py, which this checks).
-SUBCOMMANDS = ("job", "repro", "chart", "merge-reports", "gpu-check", "golden", "bench")
+SUBCOMMANDS = ("job", "repro", "chart", "merge-reports", "gpu-check", "golden", "bench", "l0-bench")
 
 
 def test_help_lists_every_subcommand_and_each_has_its_own() -> None:
     result = _ci("--help")
     assert result.returncode == 0 and result.stderr == ""
-    listed = re.findall(r"^    ([a-z-]+)", result.stdout, flags=re.MULTILINE)
+    listed = re.findall(r"^    ([a-z0-9-]+)", result.stdout, flags=re.MULTILINE)
     assert tuple(listed) == SUBCOMMANDS
     for name in SUBCOMMANDS:
         own = _ci(name, "--help")
@@ -752,7 +755,14 @@ def _test_sh(
             "import pytest\nfrom hypothesis import given, strategies as st\n\npytestmark = pytest.mark.L0\n\n\n"
             "@given(st.integers())\ndef test_p(x):\n    assert isinstance(x, int)\n"
         )
-    full = {**os.environ, "KIT_ALLOWED_SKIPS": "", "KIT_HYPOTHESIS_MAX_EXAMPLES": "5", **env}
+    # One process: what is tested is the seed, not the xdist workers (each would collect the project).
+    full = {
+        **os.environ,
+        "KIT_ALLOWED_SKIPS": "",
+        "KIT_HYPOTHESIS_MAX_EXAMPLES": "5",
+        "KIT_TEST_WORKERS": "1",
+        **env,
+    }
     result = subprocess.run(
         ["bash", "ci/test.sh", "L0", "-p", "no:randomly", *args],
         cwd=project,
@@ -782,3 +792,20 @@ def test_ci_test_sh_draws_prints_and_records_a_seed_when_exploring(tmp_path: Pat
     ]
     result, args = _test_sh(tmp_path, {"HYPOTHESIS_PROFILE": "ci"})
     assert "seed" not in result.stderr and not [a for a in args if "hypothesis-seed" in a]
+
+
+def test_ci_test_sh_runs_the_tests_on_its_workers_and_refuses_a_bad_count(tmp_path: Path) -> None:
+    _result, args = _test_sh(tmp_path, {"KIT_TEST_WORKERS": "2"})
+    assert args[args.index("-n") : args.index("-n") + 4] == ["-n", "2", "--dist", "loadfile"]
+    _result, args = _test_sh(tmp_path, {"KIT_TEST_WORKERS": "1"})
+    assert "-n" not in args
+    bad = subprocess.run(
+        ["bash", "ci/test.sh", "L0"],
+        cwd=tmp_path / "project",
+        env={**os.environ, "KIT_TEST_WORKERS": "two"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "ci/test.sh: KIT_TEST_WORKERS='two': expected a whole number of workers >= 1"
