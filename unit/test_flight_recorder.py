@@ -113,11 +113,18 @@ def test_request_reaches_a_listening_pipe_and_reports_every_other_case(tmp_path)
     assert outcome == {0: "requested", 1: "no-reader", 2: "not-a-fifo", 3: "no-pipe"}
 
 
-def _play_the_monitor(stem: Path, rank: int, dump: bytes, stop: threading.Event) -> None:
-    """Stands in for NCCL's heartbeat monitor (no GPU here): read the pipe, write the dump."""
+def _play_the_monitor(
+    stem: Path, rank: int, dump: bytes, stop: threading.Event, listening: threading.Event
+) -> None:
+    """Stands in for NCCL's heartbeat monitor (no GPU here): read the pipe, write the dump.
+
+    ``listening`` is set once the pipe is open for reading: between mkfifo and open a writer gets
+    ENXIO, which `request_dumps` rightly reports as ``no-reader``.
+    """
     path = fr.pipe_path(stem, rank)
     os.mkfifo(path)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    listening.set()
     try:
         while not stop.is_set():
             try:
@@ -137,12 +144,11 @@ def _play_the_monitor(stem: Path, rank: int, dump: bytes, stop: threading.Event)
 @pytest.mark.L0
 def test_dump_before_kill_waits_for_the_answering_ranks_only(tmp_path, one_rank_dump):
     stem = tmp_path / "fr_rank"
-    stop = threading.Event()
-    monitor = threading.Thread(target=_play_the_monitor, args=(stem, 0, one_rank_dump[0], stop))
+    stop, listening = threading.Event(), threading.Event()
+    monitor = threading.Thread(target=_play_the_monitor, args=(stem, 0, one_rank_dump[0], stop, listening))
     monitor.start()
     try:
-        while not fr.pipe_path(stem, 0).exists():
-            stop.wait(0.01)
+        assert listening.wait(10), "the stand-in monitor never opened its pipe"
         # rank 1 has a pipe but nobody answers; rank 2 never created one (e.g. died before NCCL init).
         os.mkfifo(fr.pipe_path(stem, 1))
         deaf = os.open(fr.pipe_path(stem, 1), os.O_RDONLY | os.O_NONBLOCK)
