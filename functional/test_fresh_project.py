@@ -718,6 +718,14 @@ def test_a_new_users_ci_session_runs_command_by_command_with_only_the_wheel(
     assert chart.returncode == 0, chart.stderr
     assert "```mermaid\nxychart-beta" in chart.stdout and '"test_budget_oom"' in chart.stdout
     assert "matplotlib is not installed, PNG skipped" in chart.stdout
+    # summary takes the report folder, or the report file as chart and repro take it.
+    kit = (python, "-m", "megatron_testkit", "summary", "--annotations")
+    by_folder = _run_fresh(*kit, "reports", cwd=project)
+    by_file = _run_fresh(*kit, "reports/kit-report.json", cwd=project)
+    assert by_folder.returncode == by_file.returncode == 0, by_folder.stderr + by_file.stderr
+    assert by_file.stdout == by_folder.stdout and "test_budget_oom%3A rank 1 oom::" in by_file.stdout
+    other = _run_fresh(*kit, "tests/test_user.py", cwd=project)
+    assert other.returncode == 2 and "REPORT_DIR is the --kit-report folder" in other.stderr, other.stderr
 
 
 def test_the_composite_actions_steps_run_against_a_fresh_project(

@@ -8,7 +8,9 @@ session-level cases (signals, shared report folders, bad environment) are in
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,7 +24,7 @@ import pytest
 
 from fixtures.inner_session import inner_env, run_inner_session
 from megatron_testkit import attribution
-from megatron_testkit.budgets import parse_size
+from megatron_testkit.budgets import MemoryBudget, parse_size
 from megatron_testkit.ranks import RankFailure, run_ranks
 
 pytestmark = pytest.mark.L0
@@ -78,6 +80,63 @@ def test_an_exception_raised_after_closing_stderr_is_recorded_not_a_crash() -> N
         str(info.value).splitlines()[0]
         == "rank 0 error: ValueError: raised after stdout and stderr were closed"
     )
+
+
+_FAST_CHUNK = 64 * 2**20
+_WATCHDOG_INTERVAL_S = 0.02  # rank_worker's default
+_SWITCH_INTERVAL_S = 0.005  # CPython's default: how long a thread waits before it asks for the GIL
+
+
+def grow_as_fast_as_it_can(rank: int, world_size: int) -> int:
+    """64 MiB bytearrays back to back: each holds the GIL through its whole memset."""
+    held = [bytearray(_FAST_CHUNK) for _ in range(24)]  # 1.5 GiB, three times the budget
+    return len(held)
+
+
+def _chunk_time_s() -> float:
+    """The fastest of a few 64 MiB allocations here (fresh pages each: the free unmaps them)."""
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        chunk = bytearray(_FAST_CHUNK)
+        times.append(time.perf_counter() - start)
+        del chunk
+    return min(times)
+
+
+def test_a_rank_past_its_host_budget_is_stopped_within_a_few_chunks_of_it() -> None:
+    """The overshoot a runner must absorb is the watchdog's interval, no more. Before, its /proc
+    reads and its record's writing each released the GIL, and each release let the function
+    allocate another chunk: on a 512 MiB budget a rank was seen at 1.2-1.5 GiB, or seen at
+    538 MiB and exited at 1.1-1.9 GiB (the runner death the budget is there to prevent)."""
+    budget = parse_size("512MiB")
+    assert budget is not None
+    chunk_s = _chunk_time_s()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(grow_as_fast_as_it_can, 1, timeout=120, budget=MemoryBudget(host_bytes=budget))
+    assert (info.value.rank, info.value.kind) == (0, "oom"), str(info.value)
+    seen = re.search(r"host memory budget exceeded: (?:peak )?RSS (\S+ \S+) > budget", str(info.value))
+    assert seen is not None, str(info.value)
+    detected = parse_size(seen.group(1))
+    assert detected is not None and detected > budget
+    (record,) = info.value.records
+    assert record.peak_host_bytes is not None
+    # Seen: the chunk that crossed the budget, the chunks the function allocates while the
+    # watchdog sleeps its interval and then waits the switch interval for the GIL (at the
+    # fastest chunk time measured here; a rank allocates no faster), and the chunk in flight
+    # when it asks. 32 MiB for the rounding of the message's figure and the interpreter's own.
+    during_the_wait = math.ceil((_WATCHDOG_INTERVAL_S + _SWITCH_INTERVAL_S) / chunk_s)
+    assert detected <= budget + (2 + during_the_wait) * _FAST_CHUNK + 32 * 2**20, (detected, chunk_s)
+    # Stopped: the watchdog parks the main thread before it releases the GIL again; the main
+    # thread finishes the chunk it is in (one), one more if the GIL changed hands between the
+    # reading and the trip (two); 32 MiB for writing the record (the JSON, the stack's text).
+    assert record.peak_host_bytes <= detected + 2 * _FAST_CHUNK + 32 * 2**20, (
+        record.peak_host_bytes,
+        detected,
+    )
+    # The record's stack is the test's function, not the frames that parked it.
+    assert "grow_as_fast_as_it_can" in (record.traceback or ""), record.traceback
+    assert "_park" not in (record.traceback or ""), record.traceback
 
 
 def _refuse_outside_a_rank() -> str:

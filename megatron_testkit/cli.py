@@ -85,6 +85,14 @@ def _summary(argv: list[str]) -> int:
     from megatron_testkit import summary
 
     reports = Path(args.reports)
+    if reports.is_file():  # the report itself, as `chart` and `repro --from-report` take it
+        if reports.name not in ("kit-report.json", "kit-report.md"):
+            print(
+                f"{PROG} summary: error: {reports} is a file; REPORT_DIR is the --kit-report folder",
+                file=sys.stderr,
+            )
+            return 2
+        reports = reports.parent
     if args.annotations:
         for line in summary.annotations(reports):
             print(line)

@@ -9,6 +9,7 @@ parent sends before it kills a hung or surviving rank.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import faulthandler
@@ -34,6 +35,10 @@ BUDGET_EXIT = 86
 ORPHAN_EXIT = 87
 # The launching process' pid, which the rank checks is still its parent (set by the launcher).
 LAUNCHER_ENV = "KIT_LAUNCHER_PID"
+# The signal number whose Python handler parks the main thread once the host budget is crossed
+# (a real-time signal nothing else uses; None where the platform has none). The watchdog never
+# sends it: `_thread.interrupt_main` runs the handler in the main thread at its next bytecode.
+PARK_SIGNAL: int | None = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
 
 
 def peak_rss_bytes() -> int:
@@ -87,6 +92,7 @@ class _Rank:
         self.state_fd = os.open(self.run_dir / f"rank{rank}.state", os.O_WRONLY | os.O_CREAT, 0o644)
         self.stacks = open(self.run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 (lives until exit)
         self.record_written = False
+        self.stopping = False  # a budget watchdog tripped and is ending the rank
         # Before the test's function starts, memory is the rank's startup footprint (Python,
         # torch, the test's module, the process group): a budget crossed then is too small.
         self.in_function = False
@@ -209,9 +215,27 @@ class _Rank:
         too: the runner's kernel charges them to the same job. The watchdog can miss a spike
         shorter than its interval; the exact high-water mark (VmHWM) is checked again after the
         function returns.
-        """
 
-        def watch() -> None:
+        Two threads. Every file read of a /proc sample releases the GIL, and a function that
+        allocates back to back takes it for a whole allocation each time: a rank whose one
+        thread read /proc was first seen over a 512 MiB budget at 1.2-1.5 GiB. So the rank's
+        own peak is checked alone, every ``interval``, with `getrusage` (a call that keeps the
+        GIL); the sum with the descendants is sampled by the second thread.
+        """
+        import resource
+
+        _install_park_handler()
+
+        def watch_own() -> None:
+            with self.lock:
+                self.kit_tids.append(threading.get_native_id())
+            while True:
+                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+                if peak > budget:
+                    self.stop_for_budget(peak, [], budget, what="peak RSS")
+                time.sleep(interval)
+
+        def watch_tree() -> None:
             with self.lock:
                 self.kit_tids.append(threading.get_native_id())
             while True:
@@ -220,14 +244,28 @@ class _Rank:
                     self.stop_for_budget(rss, parts, budget)
                 time.sleep(interval)
 
-        threading.Thread(target=watch, name="kit-rss-watchdog", daemon=True).start()
+        threading.Thread(target=watch_own, name="kit-rss-watchdog", daemon=True).start()
+        threading.Thread(target=watch_tree, name="kit-tree-watchdog", daemon=True).start()
 
-    def stop_for_budget(self, rss: int, parts: list[tuple[int, int]], budget: int) -> None:
-        """Record the budget overrun (stacks, who held the memory), then exit with `BUDGET_EXIT`."""
-        faulthandler.dump_traceback(file=self.stacks, all_threads=True)
+    def stop_for_budget(
+        self, rss: int, parts: list[tuple[int, int]], budget: int, *, what: str = "RSS"
+    ) -> None:
+        """Record the budget overrun (stacks, who held the memory), then exit with `BUDGET_EXIT`.
+
+        The main thread is parked first: each time this thread released the GIL while it wrote
+        the record, the test's function went on allocating, and a rank stopped at 538 MiB of a
+        512 MiB budget had reached 1.1-1.9 GiB by its exit (the very runner death the budget is
+        there to prevent). Parked, it finishes at most the allocation it is in.
+        """
+        with self.lock:  # both watchdogs can trip: the first one records and exits
+            if self.stopping:
+                return
+            self.stopping = True
+        faulthandler.dump_traceback(file=self.stacks, all_threads=True)  # C, keeps the GIL
+        _park_main_thread()
         with contextlib.suppress(OSError, ValueError):
             self.stacks.flush()
-        message = f"host memory budget exceeded: RSS {_fmt(rss, budget)} > budget {_fmt(budget, rss)} (stopped by the kit's RSS watchdog)"
+        message = f"host memory budget exceeded: {what} {_fmt(rss, budget)} > budget {_fmt(budget, rss)} (stopped by the kit's RSS watchdog)"
         if parts:
             message += f"; {_held_by(rss, parts)}"
         if not self.in_function:
@@ -288,8 +326,35 @@ def _held_by(total: int, parts: list[tuple[int, int]]) -> str:
     )
 
 
+def _park(signum: int, frame: Any) -> None:
+    """Hold the main thread here (the GIL released) until the budget watchdog ends the rank."""
+    while True:
+        time.sleep(3600)
+
+
+def _install_park_handler() -> None:
+    """Register `_park` for `PARK_SIGNAL` (from the main thread, where Python allows it)."""
+    if PARK_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            signal.signal(PARK_SIGNAL, _park)
+
+
+def _park_main_thread() -> None:
+    """Stop the test's function at its next bytecode, unless it took the signal for itself."""
+    if PARK_SIGNAL is not None and signal.getsignal(PARK_SIGNAL) is _park:
+        with contextlib.suppress(Exception):
+            _thread.interrupt_main(PARK_SIGNAL)
+
+
 def _main_thread_stack() -> str:
+    """The main thread's stack, as the test's function left it (without the parking frames)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
+    walk = frame
+    while walk is not None:
+        if walk.f_code is _park.__code__:
+            frame = walk.f_back
+            break
+        walk = walk.f_back
     return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
 
