@@ -219,20 +219,19 @@ class _Rank:
         Two threads. Every file read of a /proc sample releases the GIL, and a function that
         allocates back to back takes it for a whole allocation each time: a rank whose one
         thread read /proc was first seen over a 512 MiB budget at 1.2-1.5 GiB. So the rank's
-        own peak is checked alone, every ``interval``, with `getrusage` (a call that keeps the
-        GIL); the sum with the descendants is sampled by the second thread.
+        own RSS is checked alone, every ``interval``, with a read that keeps the GIL
+        (`OwnResidentSet`); the sum with the descendants is sampled by the second thread.
         """
-        import resource
-
         _install_park_handler()
+        own = OwnResidentSet()
 
         def watch_own() -> None:
             with self.lock:
                 self.kit_tids.append(threading.get_native_id())
             while True:
-                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-                if peak > budget:
-                    self.stop_for_budget(peak, [], budget, what="peak RSS")
+                rss = own.read()
+                if rss > budget:
+                    self.stop_for_budget(rss, [], budget)
                 time.sleep(interval)
 
         def watch_tree() -> None:
@@ -247,9 +246,7 @@ class _Rank:
         threading.Thread(target=watch_own, name="kit-rss-watchdog", daemon=True).start()
         threading.Thread(target=watch_tree, name="kit-tree-watchdog", daemon=True).start()
 
-    def stop_for_budget(
-        self, rss: int, parts: list[tuple[int, int]], budget: int, *, what: str = "RSS"
-    ) -> None:
+    def stop_for_budget(self, rss: int, parts: list[tuple[int, int]], budget: int) -> None:
         """Record the budget overrun (stacks, who held the memory), then exit with `BUDGET_EXIT`.
 
         The main thread is parked first: each time this thread released the GIL while it wrote
@@ -265,7 +262,7 @@ class _Rank:
         _park_main_thread()
         with contextlib.suppress(OSError, ValueError):
             self.stacks.flush()
-        message = f"host memory budget exceeded: {what} {_fmt(rss, budget)} > budget {_fmt(budget, rss)} (stopped by the kit's RSS watchdog)"
+        message = f"host memory budget exceeded: RSS {_fmt(rss, budget)} > budget {_fmt(budget, rss)} (stopped by the kit's RSS watchdog)"
         if parts:
             message += f"; {_held_by(rss, parts)}"
         if not self.in_function:
@@ -280,6 +277,37 @@ class _Rank:
         )
         _echo(f"rank {self.rank}: {message}\n")
         _flush_and_exit(BUDGET_EXIT)
+
+
+class OwnResidentSet:
+    """This process' resident set now (/proc/self/statm), read without releasing the GIL.
+
+    `pread` through ``ctypes.PyDLL`` keeps the GIL, so a function busy allocating cannot run
+    between the watchdog's wake-up and its verdict. Not `getrusage`: its ``ru_maxrss`` carries
+    the peak of the process image before ``exec`` (the forking pytest's), hundreds of MiB that
+    were never this rank's. Where /proc or libc is missing, the plain (GIL-releasing) read.
+    """
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._buffer = ctypes.create_string_buffer(128)
+        try:
+            self._fd: int | None = os.open("/proc/self/statm", os.O_RDONLY)
+            pread = ctypes.PyDLL(None, use_errno=True).pread
+            pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+            pread.restype = ctypes.c_ssize_t
+            self._pread: Any = pread
+        except (OSError, AttributeError):
+            self._fd, self._pread = None, None
+
+    def read(self) -> int:
+        """Resident bytes now."""
+        if self._fd is not None:
+            got = self._pread(self._fd, self._buffer, len(self._buffer) - 1, 0)
+            fields = self._buffer.raw[: max(got, 0)].split()
+            if len(fields) > 1:
+                return int(fields[1]) * self._page
+        return current_rss_bytes()
 
 
 class TreeMemory:
