@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -185,17 +186,38 @@ def golden_json(nodeid: str, metrics: TestMetrics, torch_version: str | None = N
 
 def write_golden(path: Path, content: dict[str, Any]) -> Path:
     """Write one golden file (sorted series, 2-space JSON, a final newline) through the kit's
-    writer: contained in the test's ``golden/`` folder (``<golden>/<module>/<file>``, the layout
-    `golden_paths` makes), no link followed below it, atomic. `WriteRefused` in one line otherwise."""
-    folder = Folder(path.parent.parent, what="golden folder")
+    writer: contained in the test's folder, as ``golden/<module>/<file>`` (the layout
+    `golden_paths` makes), no link followed from ``golden`` down (a ``golden`` that is itself a
+    link, committed by a pull request, points wherever its author chose), atomic. `WriteRefused`
+    in one line otherwise."""
+    folder = Folder(path.parent.parent.parent, what="test folder")
     return folder.write_text(
-        f"{path.parent.name}/{path.name}", json.dumps(content, indent=2, allow_nan=False) + "\n"
+        f"{GOLDEN_DIR}/{path.parent.name}/{path.name}", json.dumps(content, indent=2, allow_nan=False) + "\n"
     )
+
+
+def linked_part(path: Path) -> Path | None:
+    """The first of ``golden``, ``golden/<module>`` and the file itself that is a symbolic link
+    (None when none is): golden files are read only from the test's own ``golden/`` folder."""
+    for part in (path.parent.parent, path.parent, path):
+        try:
+            if stat.S_ISLNK(os.lstat(part).st_mode):
+                return part
+        except OSError:
+            return None
+    return None
 
 
 def read_golden(path: Path) -> TestMetrics:
     """A golden file's series, read by the bounded reader and checked field by field (finite
-    values, plain names, ASCII steps); `GoldenFileError` naming the file and the field otherwise."""
+    values, plain names, ASCII steps); `GoldenFileError` naming the file and the field otherwise.
+    A link on the way (``golden``, its module folder, the file) is refused, as the writer refuses it."""
+    link = linked_part(path)
+    if link is not None:
+        raise GoldenFileError(
+            f"{printable(str(path), 300)}: not read: {printable(str(link), 300)} is a symbolic link "
+            "(golden files are read only from the test's own golden/ folder)"
+        )
     try:
         data = load_json(path, limit=MAX_GOLDEN_BYTES, what="golden file")
     except JsonInputError as exc:

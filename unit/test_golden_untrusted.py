@@ -102,6 +102,44 @@ def test_golden_update_refuses_a_dangling_link_in_the_golden_folder_and_creates_
     assert not pointed.exists()
 
 
+def test_golden_update_refuses_a_golden_folder_that_is_itself_a_link_and_writes_nothing_outside(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``golden`` link committed by a pull request points wherever its author chose: the old
+    writer resolved it as the allowed folder and wrote through it."""
+    root, outside = tmp_path / "project", tmp_path / "outside"
+    (root / "functional").mkdir(parents=True)
+    outside.mkdir()
+    (root / "functional" / "golden").symlink_to(outside)
+    report = _report(tmp_path / "r.json", [_row("functional/test_x.py::t")])
+    rc, out = _update(report, root, capsys)
+    assert rc == 2 and out.count("\n") == 1 and "golden" in out and "link" in out, out
+    assert _files_under(outside) == set()
+
+
+def test_a_linked_golden_file_is_not_read_by_golden_update_nor_by_the_test(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Reading through a link shows (and compares against) a file outside the project."""
+    root, outside = tmp_path / "project", tmp_path / "outside"
+    folder = root / "functional" / "golden" / "test_x"
+    folder.mkdir(parents=True)
+    outside.mkdir()
+    victim = outside / "victim.json"
+    found = TestMetrics("cpu-gloo", "0.19.2", {"flops": MetricSeries(EXACT, {"1": 7})})
+    victim.write_text(
+        json.dumps({"platform": "cpu-gloo", "series": {"flops": found.series["flops"].to_json()}})
+    )
+    (folder / "t.cpu-gloo.json").symlink_to(victim)
+    report = _report(tmp_path / "r.json", [_row("functional/test_x.py::t")])
+    rc, out = _update(report, root, capsys)
+    assert rc == 2 and out.count("\n") == 1 and "is a symbolic link" in out, out
+    # The test's own comparison refuses it too, in one line, rather than comparing with it.
+    with pytest.raises(pytest.fail.Exception, match=r"t\.cpu-gloo\.json is a symbolic link"):
+        golden_plugin.check("functional/test_x.py::t", root / "functional" / "test_x.py", found)
+    assert json.loads(victim.read_text())["series"]["flops"]["values"] == {"1": 7}
+
+
 def test_a_platform_with_dotdot_writes_no_candidate_outside_the_tests_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
