@@ -279,6 +279,12 @@ def write(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
     """Write ``OUT/kit-report.json`` and ``OUT/kit-report.md`` through the kit's writer (atomic,
     never through a link: `WriteRefused` in one line for ``OUT/kit-report.json`` that is one)."""
     folder = Folder(out, what="merge-reports OUT")
+    for name in ("kit-report.json", "kit-report.md"):  # both refused before either is written:
+        target = folder.path / name  # a refusal leaves no half of a pair
+        if target.is_symlink() or (target.exists() and not target.is_file()):
+            raise WriteRefused(
+                f"{printable(str(target), 300)} is a link or not a file: the kit never writes through one"
+            )
     json_path = folder.write_text(
         "kit-report.json", json.dumps(report, indent=2, default=str, allow_nan=False) + "\n"
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from accounting.json_input import printable
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.metrics import TestMetrics
 from megatron_testkit.schema import (
@@ -393,10 +394,11 @@ def format_markdown(report: dict[str, Any]) -> str:
     lines = [
         "## Kit report",
         "",
-        f"{session.get('host', '?')}, {session.get('cpu_count', '?')} CPUs, {session.get('gpus', 0)} GPUs, "
-        f"torch {session.get('torch') or '-'}, megatron-core {session.get('megatron_core') or '-'}, "
-        f"{session.get('duration_s', 0):.1f} s, `-m {session.get('markexpr') or '(all)'}`"
-        + (f", CI job `{session['ci_job']}`" if session.get("ci_job") else "")
+        f"{_md(session.get('host', '?'))}, {_md(session.get('cpu_count', '?'))} CPUs, "
+        f"{_md(session.get('gpus', 0))} GPUs, torch {_md(session.get('torch') or '-')}, "
+        f"megatron-core {_md(session.get('megatron_core') or '-')}, "
+        f"{session.get('duration_s', 0):.1f} s, {_code('-m ' + str(session.get('markexpr') or '(all)'))}"
+        + (f", CI job {_code(session['ci_job'])}" if session.get("ci_job") else "")
         + (
             f"; {plural(len(session['sessions']), 'session')} that shared this report folder, every row kept"
             if session.get("sessions")
@@ -413,14 +415,21 @@ def format_markdown(report: dict[str, Any]) -> str:
     if failures:
         lines += ["", "### Failures", ""]
         for row in failures:
-            lines.append(f"- `{row['nodeid']}`: {_md(row['failure'].get('first_line') or '')}")
+            lines.append(f"- {_code(row['nodeid'])}: {_md(row['failure'].get('first_line') or '')}")
             if row["log_dir"]:
-                lines.append(f"  rank logs: `{row['log_dir']}`")
+                lines.append(f"  rank logs: {_code(row['log_dir'])}")
     return "\n".join(lines) + "\n"
 
 
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def _md(text: object) -> str:
+    """A table cell or a line of the Markdown: control characters escaped (a report is untrusted:
+    an escape sequence in a node id would reach the job summary and the CI log), pipes too."""
+    return printable(str(text)).replace("|", "\\|")
+
+
+def _code(text: object) -> str:
+    """``text`` as a code span that no backtick or control character in it can end or drive."""
+    return "`" + printable(str(text)).replace("`", "'") + "`"
 
 
 REPORT_JSON, REPORT_MARKDOWN = "kit-report.json", "kit-report.md"

@@ -29,11 +29,14 @@ _FLIGHT_RECORDER = "nccl_flight_recorder_rank*"
 
 
 def _read_markdown(path: Path) -> str | None:
-    """A Markdown file the job wrote, bounded; None when it is missing or not a regular file."""
+    """A Markdown file the job wrote, bounded, its control characters escaped line by line (an
+    artifact's file is untrusted: an escape sequence would drive the CI log's terminal); None when
+    it is missing or not a regular file."""
     try:
-        return read_regular_file(path, MAX_MARKDOWN_BYTES, "summary file").decode("utf-8", "replace")
+        text = read_regular_file(path, MAX_MARKDOWN_BYTES, "summary file").decode("utf-8", "replace")
     except JsonInputError:
         return None
+    return "\n".join(printable(line) for line in text.split("\n"))
 
 
 def repro_command(

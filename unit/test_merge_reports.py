@@ -210,3 +210,32 @@ def test_merging_onto_a_link_is_a_one_line_refusal_and_the_target_is_untouched(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "kit-report.json is a link" in err, err
     assert target.read_text() == "a user's file"
+
+
+def test_no_control_character_from_the_reports_reaches_any_line_of_the_markdown(tmp_path: Path) -> None:
+    """The table, the session line and the failure lines alike (only the failures section was
+    escaped: a node id's terminal escape reached the table, and through `summary`, the CI log)."""
+    hostile = "t.py::x\x1b]0;pwn\x07"
+    for rank in range(2):
+        failure = {"rank": 0, "kind": "oom", "first_line": "rank 0 oom: \x1b[2J"}
+        _write(tmp_path / "reports", 0, rank, [_row(hostile, "failed", rank, failure)])
+    assert merge_reports.main([str(tmp_path / "out"), str(tmp_path / "reports")]) == 0
+    markdown = (tmp_path / "out" / "kit-report.md").read_text()
+    assert all(ch.isprintable() for line in markdown.splitlines() for ch in line), markdown
+    assert "t.py::x\\x1b]0;pwn\\x07" in markdown
+
+
+def test_merging_onto_a_linked_markdown_file_writes_neither_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    _write(runs, 0, 0, [_row("t.py::a", "passed", 0)])
+    target = tmp_path / "mine.md"
+    target.write_text("a user's file")
+    out.mkdir()
+    (out / "kit-report.md").symlink_to(target)
+    assert merge_reports.main([str(out), str(runs)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "kit-report.md is a link" in err, err
+    assert target.read_text() == "a user's file"
+    assert sorted(p.name for p in out.iterdir()) == ["kit-report.md"], "half a pair was written"

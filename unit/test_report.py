@@ -401,3 +401,13 @@ def test_a_version_2_report_reads_with_the_admission_fields_null() -> None:
     # Written now, the fields are there, typed, and a wrong type is refused naming the field.
     with pytest.raises(Exception, match=r"tests\[0\]\.queued_s is not a finite number"):
         check_report({**old, "version": 3, "tests": [{**row, "launches": [], "queued_s": "long"}]})
+
+
+def test_the_job_summary_of_an_artifact_escapes_the_control_characters_of_its_markdown(tmp_path) -> None:
+    """A downloaded artifact's kit-report.md is untrusted: `summary` printed it raw to the CI log."""
+    from megatron_testkit.summary import job_summary
+
+    (tmp_path / "kit-report.md").write_text("## Kit report\n\n| t.py::x\x1b]0;pwn\x07 | failed |\n")
+    text = job_summary(tmp_path, tmp_path)
+    assert all(ch.isprintable() for line in text.splitlines() for ch in line), text
+    assert "| t.py::x\\x1b]0;pwn\\x07 | failed |" in text and text.startswith("## Kit report\n\n")
