@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from accounting.hf_derived import DERIVED, tied_default
-from accounting.json_input import load_json
+from accounting.json_input import load_json, printable
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -77,6 +77,14 @@ _NEUTRAL_BY_TYPE["mistral"] = {"sliding_window"}
 _NEUTRAL_BY_TYPE["mixtral"] = {"sliding_window"}
 
 
+# Ceilings on a config's counts, far above any published model, so that a crafted file cannot
+# make the count's per-layer patterns take unbounded memory and time (3e8 layers took 2.5 GiB and
+# 30 s; 1e11 a MemoryError): 10,000 layers (the largest published: 126), 2**24 for every other
+# count (vocabularies of 256k, widths and FFNs of 10^5, context windows of 10^6 and 10^7 fit).
+_MAXIMA = {"num_hidden_layers": 10_000}
+MAX_FIELD = 2**24
+
+
 class _Fields:
     """The config's fields, with a record of which ones were read and its type's derived keys."""
 
@@ -106,6 +114,16 @@ class _Fields:
             return rule.absent
         return self.config[name] is None and rule.null
 
+    def flag(self, name: str) -> bool:
+        """A boolean field (absent or null: False); JSON ``true``/``false`` only, else refused
+        naming it: the string ``"false"`` is truthy, and read as Python reads it, it meant true."""
+        value = self.get(name)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise self.error(f"field {name} = {value!r} must be true or false")
+        return value
+
     def int(self, name: str, *, minimum: int = 1) -> int:
         """An int field: given, or derived as its config class derives it; else refused, naming it."""
         if self.derives(name):
@@ -117,8 +135,11 @@ class _Fields:
         if name not in self.config:
             raise self.missing(name)
         value = self.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.error(f"field {name} = {value!r} must be an int >= {minimum}")
+        maximum = _MAXIMA.get(name, MAX_FIELD)
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise self.error(
+                f"field {name} = {printable(repr(value), 80)} must be an int in [{minimum}, {maximum}]"
+            )
         return value
 
     def unread(self, neutral: set[str]) -> None:
@@ -186,7 +207,7 @@ def _sliding(f: _Fields, kwargs: dict[str, Any]) -> None:
             raise f.missing("sliding_window")  # MistralConfig's 4096 is a constant: null is no window
         on = f.config.get("sliding_window") is not None
         _window(f, kwargs, (int(on),) * layers)
-    elif kind.startswith("qwen") and f.get("use_sliding_window"):
+    elif kind.startswith("qwen") and f.flag("use_sliding_window"):
         first = f.int("max_window_layers", minimum=0)
         _window(f, kwargs, _window_pattern(f, layers, lambda i: i >= first))
 
@@ -311,7 +332,7 @@ def _nemotron_h(f: _Fields) -> dict[str, Any]:
 def _qwen3_next(f: _Fields) -> dict[str, Any]:
     """Qwen3-Next: gated DeltaNet layers with gated attention every `full_attention_interval`; MoE."""
     kwargs = _attention(f)
-    if f.get("use_sliding_window"):
+    if f.flag("use_sliding_window"):
         raise f.error("field use_sliding_window = true in a gated-DeltaNet hybrid is not modelled")
     layers, interval = kwargs["num_layers"], f.int("full_attention_interval")
     linear = _window_pattern(f, layers, lambda i: (i + 1) % interval != 0, marked="linear_attention")
@@ -408,7 +429,13 @@ def tied_embeddings(config: Mapping[str, Any]) -> bool:
     It changes the parameter count, never the FLOPs (the output GEMM runs either way).
     """
     value = config.get("tie_word_embeddings")
-    return tied_default(str(config.get("model_type"))) if value is None else bool(value)
+    if value is None:
+        return tied_default(str(config.get("model_type")))
+    if not isinstance(value, bool):  # "false" is a truthy string: it would have counted as tied
+        raise ValueError(
+            f"hf config: field tie_word_embeddings = {printable(repr(value), 80)} must be true or false"
+        )
+    return value
 
 
 # Training choices a config.json does not hold, which a model type needs from the caller.

@@ -354,3 +354,48 @@ def test_absent_tie_word_embeddings_is_the_classes_default():
     assert tied_embeddings(llama()) is False  # LlamaConfig: tie_word_embeddings=False
     assert tied_embeddings(llama(model_type="gemma2")) is True  # Gemma2Config: True
     assert tied_embeddings(llama(tie_word_embeddings=True)) is True
+
+
+# ---------------------------------------------------------------- bounds and booleans (re-probe of issue 32)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "bound"),
+    [
+        ("num_hidden_layers", 300_000_000, "[1, 10000]"),  # took 2.5 GiB and 30 s
+        ("num_hidden_layers", 10**11, "[1, 10000]"),  # a MemoryError traceback
+        ("vocab_size", 10**41, "[1, 16777216]"),  # absurd output, silently
+        ("hidden_size", 2**24 + 64, "[1, 16777216]"),
+    ],
+)
+def test_a_count_past_any_published_model_is_a_one_line_error_naming_it(tmp_path, field, value, bound):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(llama(**{field: value})))
+    result = _flops_cli(path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"field {field} = {value} must be an int in {bound}" in result.stderr, result.stderr
+
+
+def test_the_largest_layer_count_allowed_is_counted():
+    shape = ModelShape.from_hf_config(llama(num_hidden_layers=10_000))
+    two = ModelShape.from_hf_config(llama(num_hidden_layers=2))
+    stats = SeqlenStats.dense(1, 8)
+    # Every layer is the same: the layer terms scale by 5000, the logits stay.
+    one_layer = (
+        training_flops(two, stats).total
+        - training_flops(ModelShape.from_hf_config(llama(num_hidden_layers=1)), stats).total
+    )
+    assert training_flops(shape, stats).total == training_flops(two, stats).total + 9_998 * one_layer
+
+
+@pytest.mark.parametrize("value", ["false", 0, "true", 1])
+def test_a_boolean_field_takes_json_true_or_false_only(value):
+    from accounting.hf_config import tied_embeddings
+
+    with pytest.raises(ValueError, match=r"field tie_word_embeddings = .* must be true or false"):
+        tied_embeddings(llama(tie_word_embeddings=value))
+    qwen = _edited("qwen3-30b-a3b", use_sliding_window=value)
+    with pytest.raises(ValueError, match=r"field use_sliding_window = .* must be true or false"):
+        ModelShape.from_hf_config(qwen)
+    assert tied_embeddings(llama(tie_word_embeddings=False)) is False
+    assert tied_embeddings(llama(tie_word_embeddings=True)) is True
