@@ -316,6 +316,35 @@ def test_a_malformed_kit_variable_is_a_usage_error_naming_it(tmp_path: Path) -> 
 
 
 @pytest.mark.L0
+def test_a_full_disk_at_the_sessions_start_is_a_usage_error_not_an_internal_error(tmp_path: Path) -> None:
+    """The admission ledger is the first file a session writes; it was an INTERNALERROR (exit 3).
+
+    The full disk is caused for real, without root: RLIMIT_FSIZE in the session's process makes
+    every write past 16 bytes fail with EFBIG, as ENOSPC would (SIGXFSZ ignored, as a shell that
+    set ``ulimit -f`` leaves it)."""
+    import resource
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+
+    (tmp_path / "test_inner.py").write_text("def test_nothing():\n    pass\n")
+    (tmp_path / "tmp").mkdir()
+    env = inner_env({**os.environ, "TMPDIR": str(tmp_path / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"})
+    env.pop("KIT_ADMISSION_DIR", None)  # a session of its own: it creates its ledger, then joins it
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_inner.py"],
+        cwd=tmp_path, env=env, preexec_fn=small_files, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == pytest.ExitCode.USAGE_ERROR, output[-2000:]
+    assert "INTERNALERROR" not in output and "Traceback" not in output, output[-2000:]
+    errors = [line for line in output.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 1 and "kit admission ledger: cannot write" in errors[0], output[-2000:]
+    assert list((tmp_path / "tmp").iterdir()) == [], "the refused session left its ledger folder"
+
+
+@pytest.mark.L0
 def test_a_report_folder_that_is_a_file_or_has_a_linked_logs_folder_is_a_usage_error(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("mine")
     (tmp_path / "reports").mkdir()

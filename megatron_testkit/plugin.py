@@ -128,10 +128,15 @@ class _KitSession:
         self.report: dict[str, Any] | None = None
         self.written: Any = None  # the ReportFiles written, or the one-line reason they were not
         self.interrupted_by = "interrupted"
-        self.ledger, self.own_ledger_dir, self.saved_ledger_env = self.open_ledger()
         self.session_id = uuid.uuid4().hex
-        if self.ledger is not None:
-            self.ledger.join_session(self.session_id)
+        try:
+            self.ledger, self.own_ledger_dir, self.saved_ledger_env = self.open_ledger()
+            if self.ledger is not None:
+                self.ledger.join_session(self.session_id)
+        except WriteRefused as exc:  # a full disk, a ledger folder that is a file or a link
+            if hasattr(self, "own_ledger_dir"):
+                self.close_ledger()  # made, then refused on joining: nothing is left behind
+            raise pytest.UsageError(f"kit admission ledger: {exc}") from None
 
     def open_ledger(self) -> tuple[admission.Ledger | None, Path | None, str | None]:
         """The session's admission ledger: an enclosing session's (named in KIT_ADMISSION_DIR), else a
@@ -149,7 +154,12 @@ class _KitSession:
         else:
             folder = Path(tempfile.mkdtemp(prefix="kit-admission-"))
             made = folder
-        ledger = admission.Ledger.create(folder, admission.capacity())
+        try:
+            ledger = admission.Ledger.create(folder, admission.capacity())
+        except WriteRefused:
+            if made is not None:  # nothing of a refused session is left behind
+                shutil.rmtree(made, ignore_errors=True)
+            raise
         os.environ[admission.LEDGER_ENV] = str(folder)
         return ledger, made, saved
 
