@@ -197,19 +197,23 @@ def test_text_from_the_reports_is_printed_and_written_escaped(
     assert "- `t.py::test_'bad'\\x1b[1m`: root cause node 0" in failures
 
 
-def test_merging_onto_a_link_is_a_one_line_refusal_and_the_target_is_untouched(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("linked", ["kit-report.json", "kit-report.md"])
+def test_merging_onto_a_link_is_a_one_line_refusal_the_target_untouched_and_neither_file_written(
+    linked: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A link at either name refuses the merge before anything is written: the markdown's link
+    was refused only after the JSON had been written, leaving half a pair."""
     runs, out = tmp_path / "runs", tmp_path / "out"
     _write(runs, 0, 0, [_row("t.py::a", "passed", 0)])
-    target = tmp_path / "mine.json"
+    target = tmp_path / "mine"
     target.write_text("a user's file")
     out.mkdir()
-    (out / "kit-report.json").symlink_to(target)
+    (out / linked).symlink_to(target)
     assert merge_reports.main([str(out), str(runs)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "kit-report.json is a link" in err, err
+    assert err.count("\n") == 1 and f"{linked} is a link" in err, err
     assert target.read_text() == "a user's file"
+    assert sorted(p.name for p in out.iterdir()) == [linked], "half a pair was written"
 
 
 def test_no_control_character_from_the_reports_reaches_any_line_of_the_markdown(tmp_path: Path) -> None:
@@ -223,19 +227,3 @@ def test_no_control_character_from_the_reports_reaches_any_line_of_the_markdown(
     markdown = (tmp_path / "out" / "kit-report.md").read_text()
     assert all(ch.isprintable() for line in markdown.splitlines() for ch in line), markdown
     assert "t.py::x\\x1b]0;pwn\\x07" in markdown
-
-
-def test_merging_onto_a_linked_markdown_file_writes_neither_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    runs, out = tmp_path / "runs", tmp_path / "out"
-    _write(runs, 0, 0, [_row("t.py::a", "passed", 0)])
-    target = tmp_path / "mine.md"
-    target.write_text("a user's file")
-    out.mkdir()
-    (out / "kit-report.md").symlink_to(target)
-    assert merge_reports.main([str(out), str(runs)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "kit-report.md is a link" in err, err
-    assert target.read_text() == "a user's file"
-    assert sorted(p.name for p in out.iterdir()) == ["kit-report.md"], "half a pair was written"
