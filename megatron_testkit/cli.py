@@ -69,7 +69,11 @@ def _summary(argv: list[str]) -> int:
         help="the command that reruns the failures (default: %(default)s)",
     )
     parser.add_argument(
-        "--also", metavar="FILE", action="append", default=[], help="more Markdown to append (if it exists)"
+        "--also",
+        metavar="FILE",
+        action="append",
+        default=[],
+        help="more Markdown of the report folder to append (if it exists); a file outside it is refused",
     )
     parser.add_argument("--root", metavar="DIR", default=".", help="the project root (default: .)")
     shown = parser.add_mutually_exclusive_group()
@@ -82,6 +86,7 @@ def _summary(argv: list[str]) -> int:
     except _Usage as exc:
         print(f"{PROG} summary: error: {exc}", file=sys.stderr)
         return 2
+    from accounting.json_input import printable
     from megatron_testkit import summary
 
     reports = Path(args.reports)
@@ -93,6 +98,15 @@ def _summary(argv: list[str]) -> int:
             )
             return 2
         reports = reports.parent
+    outside = summary.outside_folder(reports, [Path(p) for p in args.also])
+    if outside is not None:
+        # The job summary is public: a name like ../../x would publish any file of the runner.
+        print(
+            f"{PROG} summary: error: --also {printable(str(outside), 200)} is not a file of the report "
+            f"folder {printable(str(reports), 200)}",
+            file=sys.stderr,
+        )
+        return 2
     if args.annotations:
         for line in summary.annotations(reports):
             print(line)

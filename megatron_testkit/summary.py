@@ -28,6 +28,16 @@ MAX_MARKDOWN_BYTES = 32 * 2**20
 _FLIGHT_RECORDER = "nccl_flight_recorder_rank*"
 
 
+def outside_folder(reports: Path, paths: Sequence[Path]) -> Path | None:
+    """The first of `paths` that is not inside the folder `reports` once links and ``..`` are
+    resolved (None when all are): only the report folder's own files reach a public summary."""
+    folder = reports.resolve()
+    for path in paths:
+        if folder not in path.resolve().parents:
+            return path
+    return None
+
+
 def _read_markdown(path: Path) -> str | None:
     """A Markdown file the job wrote, bounded, its control characters escaped line by line (an
     artifact's file is untrusted: an escape sequence would drive the CI log's terminal); None when

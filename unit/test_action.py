@@ -10,6 +10,7 @@ exit code. `functional/test_fresh_project.py` runs them again with only the kit'
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fixtures.github_action import run_action
+from fixtures.github_action import ActionRun, run_action
 
 pytestmark = pytest.mark.L0
 
@@ -186,3 +187,122 @@ def test_the_documented_caller_workflows_pass_actionlint_and_the_schema(tmp_path
     assert linted.returncode == 0 and linted.stdout == "", linted.stdout + linted.stderr
     checked = validate(*sorted(folder.glob("*.yml")))
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+# A project whose conftest records the words pytest got (before any test runs) and takes any
+# number of `--word TEXT` options, so that hostile text can reach pytest as plain values.
+RECORDING = {
+    "tests/conftest.py": textwrap.dedent(
+        """
+        import json
+
+
+        def pytest_addoption(parser):
+            parser.addoption("--word", action="append", default=[])
+
+
+        def pytest_configure(config):
+            with open("argv.json", "w") as f:
+                json.dump(list(config.invocation_params.args), f)
+        """
+    ),
+    "tests/test_plain.py": "def test_passes():\n    assert True\n",
+}
+
+
+def _hostile_run(tmp_path: Path, inputs: dict[str, str]) -> tuple[Path, ActionRun]:
+    project = tmp_path / "project"
+    for name, text in RECORDING.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
+        (project / name).write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GITHUB_", "PYTEST_", "KIT_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    run = run_action(
+        ACTION,
+        {"install": "false", "python": sys.executable, **inputs},
+        cwd=project,
+        env=env,
+        github={"job": "unit", "run_id": "42", "repository": "me/proj"},
+    )
+    return project, run
+
+
+def test_pytest_args_are_split_into_words_and_never_evaluated(tmp_path: Path) -> None:
+    """`pytest-args: -k "${{ github.head_ref }}"` hands a branch name to the step: `x$(touch${IFS}PWNED)`
+    is a valid ref. Command substitution, backticks, variables and globs reach pytest as text."""
+    args = (
+        "-p no:randomly -p no:cacheprovider --word=x$(touch${IFS}PWNED) "
+        '--word "`touch PWNED2`" --word \'$HOME "quoted"\' --word * --word a\\ b -k passes tests'
+    )
+    project, run = _hostile_run(tmp_path, {"pytest-args": args})
+    tests = run.step("Tests with the kit report")
+    assert tests.returncode == 0 and "kit: the tests exited with 0" in tests.output, tests.output
+    assert not (project / "PWNED").exists() and not (project / "PWNED2").exists(), "the input ran as shell"
+    assert json.loads((project / "argv.json").read_text()) == [
+        "-p",
+        "no:randomly",
+        "-p",
+        "no:cacheprovider",
+        "--word=x$(touch${IFS}PWNED)",
+        "--word",
+        "`touch PWNED2`",
+        "--word",
+        '$HOME "quoted"',
+        "--word",
+        "*",  # not the project's files
+        "--word",
+        "a b",
+        "-k",
+        "passes",
+        "tests",
+        "--kit-report=reports",
+        "--junitxml=reports/junit.xml",
+    ]
+    assert run.returncode == 0 and run.outputs["exit-code"] == "0"
+
+
+def test_an_unbalanced_quote_fails_the_step_with_one_line_and_runs_no_test(tmp_path: Path) -> None:
+    """Evaluated, the words failed to parse, the selection was dropped and the whole suite ran (and
+    could go green); now the step fails before pytest starts."""
+    project, run = _hostile_run(tmp_path, {"pytest-args": "-k 'passes tests"})
+    tests = run.step("Tests with the kit report")
+    assert tests.returncode == 2, tests.output
+    assert tests.output.splitlines() == [
+        "kit: pytest-args: No closing quotation: not split into words, no test was run"
+    ]
+    assert not (project / "argv.json").exists() and not (project / "reports" / "junit.xml").exists()
+    assert run.returncode != 0 and run.outputs["exit-code"] == "2"
+
+
+def test_summary_also_publishes_only_files_of_the_report_folder(tmp_path: Path) -> None:
+    """`summary-also: ../../x` put any file of the runner into the public job summary."""
+    (tmp_path / "x").write_text("SECRET of the runner\n")
+    _, run = _hostile_run(tmp_path, {"pytest-args": "-p no:randomly tests", "summary-also": "ok.md ../../x"})
+    step = run.step("Job summary, memory chart and annotations")
+    assert "SECRET" not in run.summary + run.log
+    assert step.returncode == 2
+    assert step.output.splitlines() == [
+        "python -m megatron_testkit summary: error: --also reports/../../x is not a file of the report "
+        "folder reports"
+    ]
+    assert run.returncode == 2
+
+
+def test_summary_also_names_are_not_globbed(tmp_path: Path) -> None:
+    """Split unquoted, `*` matched the project's files (here `tests`), each read as a summary file."""
+    _, run = _hostile_run(tmp_path, {"pytest-args": "-p no:randomly tests", "summary-also": "*  *.md"})
+    step = run.step("Job summary, memory chart and annotations")
+    assert step.returncode == 0, step.output
+    assert "No *: the job stopped" in run.summary and "No *.md: the job stopped" in run.summary
+    assert "No tests:" not in run.summary
+
+
+@pytest.mark.parametrize("name", ["kit\nexit-code=0", "kit\rx", "a/b", "../x"], ids=repr)
+def test_an_artifact_name_with_a_control_character_or_a_path_is_refused(tmp_path: Path, name: str) -> None:
+    """A new line in the name added lines to $GITHUB_OUTPUT."""
+    project, run = _hostile_run(tmp_path, {"pytest-args": "-p no:randomly tests", "artifact-name": name})
+    names = run.step("Name the artifact")
+    assert names.returncode == 2 and names.written == ""
+    assert len(names.output.splitlines()) == 1 and names.output.startswith("kit: artifact-name: ")
+    assert not run.step("Tests with the kit report").ran and not (project / "argv.json").exists()
+    assert run.returncode != 0
