@@ -5,8 +5,9 @@ the report's table (``kit-report.md``), the memory chart (`megatron_testkit.char
 files the run's platform lacks and the command that makes them (`golden_candidates`), the NCCL
 flight-recorder dumps found, and the exact command that reruns the job's failures locally from its
 artifact. `annotations` gives one ``::error`` workflow command per failed test, naming the test,
-the rank and the kind. Everything read is untrusted (a fork's pull request runs the job): the
-report through the bounded reader, its text escaped before it reaches a summary or a command.
+the rank and the kind (the first 50, then a line that counts the rest). Everything read is
+untrusted (a fork's pull request runs the job): the report through the bounded reader, its text
+escaped before it reaches a summary or a command.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ REPRO_COMMAND = "python -m megatron_testkit repro"
 # The report's Markdown is at most the report's own size; a file of another job's is refused past it.
 MAX_MARKDOWN_BYTES = 32 * 2**20
 _FLIGHT_RECORDER = "nccl_flight_recorder_rank*"
+# GitHub shows 10 error annotations a step and 50 a job; 100,000 failures printed 12 MB of them.
+MAX_ANNOTATIONS = 50
 
 
 def outside_folder(reports: Path, paths: Sequence[Path]) -> Path | None:
@@ -120,16 +123,18 @@ def _property(text: str) -> str:
     return _data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def annotations(reports: Path) -> list[str]:
+def annotations(reports: Path, limit: int = MAX_ANNOTATIONS) -> list[str]:
     """One ``::error`` line per failed, errored or interrupted test of the folder's report:
-    ``::error file=tests/test_x.py,title=tests/test_x.py::test_y: rank 1 oom::<first line>``.
-    None when the report is missing or unusable (the summary says why)."""
+    ``::error file=tests/test_x.py,title=tests/test_x.py::test_y: rank 1 oom::<first line>``,
+    the first `limit` of them, then one line that counts the rest. Empty when the report is
+    missing or unusable (the summary says why)."""
     try:
         report = load_report(reports / REPORT_JSON)
     except ReportError:
         return []
+    failed = failed_tests(report)
     lines = []
-    for test in failed_tests(report):
+    for test in failed[:limit]:
         v = verdict(test)
         name = printable(v.nodeid, 300)
         title = f"{name}: {printable(v.cause, 80)}"
@@ -137,4 +142,8 @@ def annotations(reports: Path) -> list[str]:
         path = v.nodeid.split("::", 1)[0]
         where = f"file={_property(printable(path, 300))}," if path.endswith(".py") else ""
         lines.append(f"::error {where}title={_property(title)}::{_data(message)}")
+    if len(failed) > limit:
+        lines.append(
+            f"and {len(failed) - limit} more failed test(s), not annotated: see the job's kit report"
+        )
     return lines
