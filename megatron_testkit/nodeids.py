@@ -4,8 +4,13 @@ A report's node ids are untrusted text (a fork's pull request controls the CI ar
 pytest reads its command line as options and paths to import. An id is accepted only when it
 reads as a node id (no leading ``-``, no absolute path, no ``..``, no control characters, a file
 part named ``test_*.py``) and its file is a test file of the project: tracked by git when the
-project is a git work tree, else a regular file under the root outside hidden folders. Nothing
-here imports or runs a test file: whether a test still exists is read from the file's syntax tree.
+project is a git work tree (read from git's index, `megatron_testkit.git_index`, so a dry run
+that starts no process refuses what the real run refuses), else a regular file under the root
+outside hidden folders. The repro line downloads the artifact into the project, and a fork's
+tests write what it holds: a file not tracked by git is accepted only when asked
+(``include_untracked``), and never one in a report folder or a folder that holds a kit report or
+a session's logs. Nothing here imports or runs a test file: whether a test still exists is read
+from the file's syntax tree.
 """
 
 from __future__ import annotations
@@ -13,15 +18,22 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from megatron_testkit.git_index import IndexUnknown
+from megatron_testkit.git_index import tracked_files as index_files
+from megatron_testkit.report_dir import MARKER
 from megatron_testkit.schema import MAX_NODEID_CHARS
 
 _TEST_FILE = re.compile(r"test_[A-Za-z0-9_]*\.py")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Folders of installed code, which a project may hold (a virtual environment in the checkout).
 _INSTALLED = ("site-packages", "dist-packages", "node_modules")
+NOT_TRACKED = "not tracked by git: commit or `git add` it"
+# What the kit writes into a report folder: a folder holding one is a run's output (an artifact).
+_KIT_OUTPUT = ("kit-report.json", "kit-report.md", MARKER)
 
 
 @dataclass
@@ -31,6 +43,7 @@ class Checked:
     accepted: list[str] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
+    unchecked: str | None = None  # why tracking was left to the real run (an index only git reads)
 
 
 def form_problem(nodeid: str) -> str | None:
@@ -57,11 +70,8 @@ def form_problem(nodeid: str) -> str | None:
     return None
 
 
-def tracked_files(root: Path, use_git: bool) -> set[str] | None:
-    """The files git tracks under `root` (paths relative to it); None when `use_git` is off or
-    `root` is not in a git work tree."""
-    if not use_git:
-        return None
+def git_ls_files(root: Path) -> set[str] | None:
+    """The files git tracks under `root`, as ``git ls-files`` lists them; None when git fails."""
     try:
         out = subprocess.run(
             ["git", "-c", "core.quotePath=false", "ls-files", "-z", "--cached"],
@@ -74,14 +84,56 @@ def tracked_files(root: Path, use_git: bool) -> set[str] | None:
         return None
     if out.returncode != 0:
         return None
-    return {name for name in out.stdout.decode("utf-8", "replace").split("\0") if name}
+    return {name for name in out.stdout.decode("utf-8", "surrogateescape").split("\0") if name}
 
 
-def file_problem(root: Path, path: str, tracked: set[str] | None) -> str | None:
-    """Why `path` is not a test file of the project at `root`; "missing" when it does not exist."""
+def _holds_kit_output(folder: Path) -> bool:
+    if any((folder / name).exists() for name in _KIT_OUTPUT):
+        return True
+    logs = folder / "logs"
+    return logs.is_dir() and any(logs.glob(f"*/{MARKER}"))
+
+
+def kit_output_problem(
+    root: Path, full: Path, report_folders: Sequence[Path], include_root: bool
+) -> str | None:
+    """Why the file `full` is a run's output rather than a test of the project at `root`: it is
+    in one of `report_folders`, or a folder between it and the root (the root too when
+    `include_root`) holds a kit report or a session's logs. None when it is neither."""
+    top = root.resolve()
+    resolved = full.resolve()
+    for folder in report_folders:
+        folder = folder.resolve()
+        inside = top in folder.parents or (include_root and folder == top)
+        if inside and folder in resolved.parents:
+            return "in a report folder: never run from a report"
+    for folder in resolved.parents:
+        if folder == top and not include_root:
+            break
+        if _holds_kit_output(folder):
+            return "in a folder that holds a kit report or session logs (a downloaded artifact?): never run from a report"
+        if folder == top:
+            break
+    return None
+
+
+def file_problem(
+    root: Path,
+    path: str,
+    tracked: set[str] | None,
+    *,
+    include_untracked: bool = False,
+    report_folders: Sequence[Path] = (),
+) -> str | None:
+    """Why `path` is not a test file of the project at `root`; "missing" when it does not exist.
+    `tracked`: the files git tracks (None: not a git work tree)."""
     full = root / path
-    if tracked is not None and path not in tracked:
-        return "missing" if not full.exists() and not full.is_symlink() else "not tracked by git"
+    untracked = tracked is not None and path not in tracked
+    if untracked:
+        if not full.exists() and not full.is_symlink():
+            return "missing"
+        if not include_untracked:
+            return NOT_TRACKED
     if full.is_symlink():
         return "a symbolic link"
     if not full.exists():
@@ -90,6 +142,8 @@ def file_problem(root: Path, path: str, tracked: set[str] | None) -> str | None:
         return "not a regular file"
     if root.resolve() not in full.resolve().parents:
         return "outside the project"
+    if tracked is None or untracked:  # only committed files are trusted inside a run's output
+        return kit_output_problem(root, full, report_folders, include_root=untracked)
     return None
 
 
@@ -138,16 +192,35 @@ def exists_in_source(source: str, names: list[str]) -> bool:
     return members is None or len(names) < 2 or names[1].split("[", 1)[0] in members
 
 
-def check(root: Path, nodeids: list[str], use_git: bool = True) -> Checked:
-    """Split `nodeids` into accepted, refused and stale, reading files but running nothing."""
+def check(
+    root: Path,
+    nodeids: list[str],
+    *,
+    start_processes: bool = True,
+    include_untracked: bool = False,
+    report_folders: Sequence[Path] = (),
+) -> Checked:
+    """Split `nodeids` into accepted, refused and stale, reading files but running nothing.
+
+    Tracked files come from git's index, read here; an index only git reads is asked of ``git
+    ls-files`` when `start_processes`, else left to the real run (`Checked.unchecked` says why)."""
     out = Checked()
-    tracked = tracked_files(root, use_git)
+    try:
+        tracked = index_files(root)
+    except IndexUnknown as exc:
+        if start_processes:
+            # A work tree whose tracked files git cannot list either: nothing is trusted.
+            tracked = git_ls_files(root) or set()
+        else:
+            tracked, out.unchecked = None, str(exc)
     sources: dict[str, str] = {}
     for nodeid in nodeids:
         problem = form_problem(nodeid)
         path, *names = nodeid.split("::")
         if problem is None:
-            problem = file_problem(root, path, tracked)
+            problem = file_problem(
+                root, path, tracked, include_untracked=include_untracked, report_folders=report_folders
+            )
         if problem == "missing":
             out.stale.append(nodeid)
             continue

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -54,6 +55,7 @@ from megatron_testkit.verdicts import (
     format_pairs,
     format_verdicts,
     junit_first_lines,
+    junit_key,
     load_report,
     tests_by_id,
     verdict,
@@ -62,6 +64,9 @@ from megatron_testkit.verdicts import (
 PROG = "python -m megatron_testkit repro"
 HOST_MEMORY_ENV = "KIT_HOST_MEMORY"  # the runner's memory for the whole run, e.g. "7GB"
 DEVICE_MEMORY_ENV = "KIT_DEVICE_MEMORY"  # per-GPU cap emulating the CI card, e.g. "40GiB"
+# A recorded --hypothesis-seed longer than this is refused: int() of one past 4,300 digits raised
+# a traceback, and no seed a run prints or a person types comes near it.
+MAX_SEED_DIGITS = 1000
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,12 @@ def build_parser(project: Project | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--limit-method", choices=("auto", *METHODS), default="auto", help="how to cap the run")
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+    p.add_argument(
+        "--include-untracked",
+        action="store_true",
+        help="with --from-report: also rerun test files git does not track (never those in a report "
+        "folder or a downloaded artifact's folder)",
+    )
     p.add_argument(
         "--hypothesis-seed",
         type=int,
@@ -210,6 +221,7 @@ class Plan:
     stale: list[str] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
     from_report: list[str] = field(default_factory=list)  # what the report's session gave the row
+    unchecked: str | None = None  # why --dry-run left the tracked-file check to the real run
 
 
 def _choose_job(
@@ -264,7 +276,8 @@ def collected_ids(root: Path, nodeids: list[str], variables: dict[str, str]) -> 
 
 def recorded_seed(session: dict[str, Any]) -> int | None:
     """The session's ``hypothesis_seed`` (version 3), else the ``--hypothesis-seed`` among a
-    report's recorded pytest arguments (the nightly exploring row's)."""
+    report's recorded pytest arguments (the nightly exploring row's); `UsageError` when that one
+    has more than `MAX_SEED_DIGITS` digits."""
     seed = session.get("hypothesis_seed")
     if isinstance(seed, int) and not isinstance(seed, bool):
         return seed
@@ -273,7 +286,13 @@ def recorded_seed(session: dict[str, Any]) -> int | None:
         value = arg.partition("=")[2] if arg.startswith("--hypothesis-seed=") else None
         if arg == "--hypothesis-seed" and i + 1 < len(args):
             value = args[i + 1]
-        if value is not None and value.lstrip("-").isdigit():
+        if value is not None and re.fullmatch(r"-?[0-9]+", value):
+            digits = len(value.lstrip("-"))
+            if digits > MAX_SEED_DIGITS:
+                raise UsageError(
+                    f"the report's recorded --hypothesis-seed has {digits} digits, more than a seed "
+                    f"may have ({MAX_SEED_DIGITS}): give one with --hypothesis-seed N"
+                )
             return int(value)
     return None
 
@@ -304,8 +323,10 @@ def _read_ci_report(path: str) -> FromReport:
     except ReportError as exc:
         raise UsageError(str(exc)) from None
     # The artifact holds junit.xml beside the report: first lines of in-process failures.
-    junit = junit_first_lines(Path(path).with_name("junit.xml")) if failed_tests(report) else {}
-    return FromReport(path, failed_tests(report), junit, report["session"])
+    failed = failed_tests(report)
+    wanted = {junit_key(test["nodeid"]) for test in failed}
+    junit = junit_first_lines(Path(path).with_name("junit.xml"), wanted) if failed else {}
+    return FromReport(path, failed, junit, report["session"])
 
 
 def _check_arguments(args: argparse.Namespace) -> Path:
@@ -322,10 +343,17 @@ def _check_arguments(args: argparse.Namespace) -> Path:
     return root
 
 
-def _select(p: Plan, dry_run: bool) -> list[str]:
-    """The report's failed ids that may run: checked (refused and stale ones noted on the plan)."""
-    checked = check_nodeids(p.root, [test["nodeid"] for test in p.ci_failed], use_git=not dry_run)
-    p.refused, p.stale = checked.refused, checked.stale
+def _select(p: Plan, report: str, dry_run: bool, include_untracked: bool) -> list[str]:
+    """The report's failed ids that may run: checked (refused and stale ones noted on the plan).
+    A dry run starts no process and refuses what the real run refuses (git's index read here)."""
+    checked = check_nodeids(
+        p.root,
+        [test["nodeid"] for test in p.ci_failed],
+        start_processes=not dry_run,
+        include_untracked=include_untracked,
+        report_folders=[p.reports, Path(report).resolve().parent],
+    )
+    p.refused, p.stale, p.unchecked = checked.refused, checked.stale, checked.unchecked
     if checked.accepted and not dry_run:
         # A parametrized id whose parameter is gone is found only by collecting its (checked) file.
         present = collected_ids(p.root, checked.accepted, p.variables)
@@ -362,6 +390,8 @@ def pytest_args(job: Row, reports: Path | str) -> list[str]:
 def plan(args: argparse.Namespace) -> Plan | None:
     """The run the arguments ask for; None when a report has no failures (nothing to rerun)."""
     root = _check_arguments(args)
+    if args.include_untracked and not args.from_report:
+        raise UsageError("--include-untracked goes with --from-report")
     tier, gpus = args.tier, args.gpus
     seed: int | None = args.hypothesis_seed
     ci = _read_ci_report(args.from_report) if args.from_report else None
@@ -400,7 +430,7 @@ def plan(args: argparse.Namespace) -> Plan | None:
     )
     if ci is not None:
         # A test renamed or removed since the CI run is reported and skipped; the others rerun.
-        selected = _select(p, args.dry_run)
+        selected = _select(p, ci.path, args.dry_run, args.include_untracked)
         p.command += ["--", *selected] if selected else []
     return p
 
@@ -475,7 +505,8 @@ def execute(p: Plan, limit_method: str) -> int:
         _say(f"pytest exited with {returncode} and left no usable report ({exc})")
         local = None
     if local is not None:
-        junit = junit_first_lines(p.reports / "junit.xml")
+        wanted = {junit_key(test["nodeid"]) for test in failed_tests(local)}
+        junit = junit_first_lines(p.reports / "junit.xml", wanted)
         here = {
             nodeid: with_kills(verdict(test, junit), kills) for nodeid, test in tests_by_id(local).items()
         }
@@ -559,6 +590,8 @@ def _say_what_is_left_out(p: Plan) -> bool:
             f"{len(p.refused)} id(s) of the report refused, not run (not a test of this project): "
             + "; ".join(f"{printable(nodeid, 200)} ({why})" for nodeid, why in p.refused)
         )
+    if p.unchecked:
+        _say(f"not checked here whether git tracks the files ({p.unchecked}): the real run asks git")
     if p.stale:
         _say(
             f"{len(p.stale)} failed test(s) of the report do not exist here (renamed or removed since "

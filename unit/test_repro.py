@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +307,65 @@ def test_in_process_failures_take_their_first_line_from_junit(tmp_path: Path) ->
     assert junit_first_lines(tmp_path / "absent.xml") == {}
 
 
+def _junit(path: Path, size: int, last: str) -> Path:
+    """A JUnit file of about `size` bytes of small failed test cases, the one named `last` at its end."""
+    head = '<?xml version="1.0"?><testsuites><testsuite name="pytest">'
+    block = "".join(
+        f'<testcase classname="tests.test_many" name="test_{i}"><failure message="m{i}"/></testcase>'
+        for i in range(10_000)
+    )
+    tail = (
+        f'<testcase classname="tests.test_x" name="{last}"><failure message="">\n\n  boom at the end  \n'
+        "more</failure></testcase></testsuite></testsuites>"
+    )
+    with open(path, "w") as f:
+        f.write(head)
+        for _ in range((size - len(head) - len(tail)) // len(block)):
+            f.write(block)
+        f.write(tail)
+    return path
+
+
+def test_a_junit_file_is_streamed_in_memory_that_does_not_grow_with_it(tmp_path: Path) -> None:
+    """Parsed into one tree, a 64 MiB junit.xml beside a report took `repro --dry-run` to 0.7 GB
+    (2.7 GB for another file): memory grew with the file. Streamed, it stays flat."""
+    from megatron_testkit.verdicts import _JUNIT_CHUNK
+
+    junit = _junit(tmp_path / "junit.xml", 8 * MiB, "test_last")
+    key = ("tests.test_x", "test_last")
+    tracemalloc.start()
+    try:
+        lines = junit_first_lines(junit, {key})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert lines == {key: "boom at the end"}, "read to its end"
+    # The chunk read, expat's copy of its unparsed tail (at most a chunk), one message's text
+    # (MAX_MESSAGE_CHARS, 64 Ki characters) and a chunk of slack: 4 chunks (4 MiB), whatever
+    # the file's size; the tree of these 8 MiB is over 80 MiB.
+    assert peak < 4 * _JUNIT_CHUNK, f"{peak / MiB:.1f} MiB"
+
+
+def test_junit_past_its_cap_keeps_the_lines_before_and_reads_no_doctype(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatron_testkit import verdicts
+
+    junit = _junit(tmp_path / "junit.xml", 3 * MiB, "test_last")
+    monkeypatch.setattr(verdicts, "MAX_JUNIT_BYTES", MiB)
+    lines = junit_first_lines(junit)
+    # Whole test cases of the first MiB were read (each about 90 bytes), nothing after it.
+    assert lines[("tests.test_many", "test_0")] == "m0" and ("tests.test_x", "test_last") not in lines
+    assert len(lines) == 10_000, "the names repeat every 10,000 cases: all seen in the first MiB"
+    # Entities live in a DOCTYPE, which pytest never writes: a file with one gives no line.
+    entities = tmp_path / "entities.xml"
+    entities.write_text(
+        '<?xml version="1.0"?><!DOCTYPE t [<!ENTITY a "boom">]>'
+        '<testsuite><testcase classname="c" name="n"><failure message="&a;"/></testcase></testsuite>'
+    )
+    assert junit_first_lines(entities) == {}
+
+
 def test_failed_tests_keeps_report_order_and_each_id_once(tmp_path: Path) -> None:
     report = load_report(
         write_report(
@@ -525,6 +585,35 @@ def test_a_report_without_a_seed_adds_none(tmp_path: Path, capsys: pytest.Captur
     assert "--hypothesis-seed" not in out[-1]
     assert repro.recorded_seed({"pytest_args": ["--hypothesis-seed=x", "-k", "seed"]}) is None
     assert repro.recorded_seed({}) is None
+
+
+@pytest.mark.parametrize(
+    ("recorded", "says"),
+    [
+        (["--hypothesis-seed=" + "7" * 4400], "has 4400 digits, more than a seed may have (1000)"),
+        (["--hypothesis-seed", "-" + "9" * 1001], "has 1001 digits, more than a seed may have (1000)"),
+    ],
+    ids=["4,400 digits", "1,001 digits, negative, separate word"],
+)
+def test_a_recorded_seed_too_long_for_an_int_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], recorded: list[str], says: str
+) -> None:
+    """int() of more than 4,300 digits raised a traceback out of repro."""
+    project = make_project(tmp_path / "project")
+    report = _explore_report(tmp_path / "kit-report.json", recorded)
+    assert repro.main(["--from-report", str(report), "--root", str(project), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"python -m ci repro: error: the report's recorded --hypothesis-seed {says}: give one with "
+        "--hypothesis-seed N\n"
+    )
+    # Given on the command line, the seed wins and the recorded one is not read.
+    assert repro.main(["--from-report", str(report), "--root", str(project), "--hypothesis-seed", "5",
+                       "--dry-run"]) == 0  # fmt: skip
+    assert "--hypothesis-seed=5" in capsys.readouterr().out
+    # Digits that are not ASCII ("\u00b2".isdigit() is true, int() refuses it) are no seed.
+    assert repro.recorded_seed({"pytest_args": ["--hypothesis-seed=\u00b2"]}) is None
+    assert repro.recorded_seed({"pytest_args": ["--hypothesis-seed=" + "1" * 1000]}) == int("1" * 1000)
 
 
 SEED_PROJECT_TEST = """
