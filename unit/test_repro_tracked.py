@@ -223,3 +223,20 @@ def test_outside_git_an_artifacts_test_file_is_refused_too(
         f"{ids[2]} ({REPORT_FOLDER}); {ids[3]} (not a test file (test_*.py)); {ids[4]} ({ARTIFACT})"
     )
     assert _selected(out) == [ids[0], ids[1]]
+
+
+def test_with_a_split_index_the_real_run_asks_git_and_the_dry_run_says_it_did_not_check(
+    tmp_path: Path,
+) -> None:
+    from megatron_testkit.nodeids import check
+
+    root = _repository(tmp_path / "repo")
+    _git(root, "update-index", "--split-index")
+    (root / "tests" / "test_untracked.py").write_text("def test_x():\n    pass\n")
+    (root / "tests" / "test_added.py").write_text("def test_x():\n    pass\n")
+    _git(root, "add", "tests/test_added.py")
+    ids = ["tests/test_added.py::test_x", "tests/test_untracked.py::test_x"]
+    real = check(root, ids)
+    assert real.accepted == [ids[0]] and real.refused == [(ids[1], NOT_TRACKED)] and real.unchecked is None
+    dry = check(root, ids, start_processes=False)
+    assert dry.unchecked == "a split index" and dry.accepted == ids
