@@ -25,6 +25,11 @@ from megatron_testkit.safe_write import Folder, WriteRefused
 MIB = 2**20
 SIDES = (("host", "host RSS"), ("device", "CUDA device memory"))
 _LABEL_CHARS = 40
+CHART_HELP = (
+    "Each rank test's peak memory against its per-rank budget, from a kit report (REPORT: kit-report.json"
+    " or its folder, default reports/kit-report.json): Mermaid charts on stdout, and kit-memory.png beside"
+    " the report when matplotlib (the charts extra) is installed."
+)
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,7 @@ def main(args: list[str], prog: str = "python -m megatron_testkit") -> int:
     A missing or unusable report is one line on stderr and exit code 2, never a traceback.
     """
     if args[:1] in (["-h"], ["--help"]):
-        print(f"usage: {prog} chart [REPORT]\n\n{__doc__.splitlines()[0]}")
+        print(f"usage: {prog} chart [REPORT]\n\n{CHART_HELP}")
         return 0
     if len(args) > 1 or any(arg.startswith("-") for arg in args):
         print(

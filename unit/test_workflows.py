@@ -567,7 +567,7 @@ def test_help_lists_every_subcommand_and_each_has_its_own() -> None:
     for name in SUBCOMMANDS:
         own = _ci(name, "--help")
         assert own.returncode == 0, own.stderr
-        # merge-reports prints its usage line on stderr; every other command on stdout.
+        # Every command prints its usage on stdout (merge-reports once did on stderr).
         assert f"usage: python -m ci {name}" in own.stdout + own.stderr
 
 
