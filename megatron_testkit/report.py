@@ -65,7 +65,7 @@ class TestRow:
                 row.peak_device_bytes = _max(row.peak_device_bytes, r.peak_device_bytes)
                 row.exit_code, row.signal = r.exit_code, r.signal
         last = self.runs[-1] if self.runs else None
-        log_dirs = [run.log_dir for run in self.runs if run.log_dir]
+        kept = [run for run in self.runs if run.log_dir]
         return TestEntry(
             nodeid=self.nodeid,
             outcome=self.outcome,
@@ -82,7 +82,7 @@ class TestRow:
             pytest_rss_before_bytes=self.pytest_rss_before_bytes,
             pytest_rss_after_bytes=self.pytest_rss_after_bytes,
             leaked_processes=self.leaked_processes + sum(run.leaked_processes for run in self.runs),
-            log_dir=log_dirs[0] if log_dirs else None,
+            log_dir=kept[0].log_dir if kept else None,
             launches=launch_records(self.runs, self.failure),
             worker=self.worker,
             skip_capability=self.skip_capability,
@@ -90,6 +90,7 @@ class TestRow:
             queued_s=_sum_of(run.queued_s for run in self.runs),
             admitted_bytes=_max_of(run.admitted_bytes for run in self.runs),
             setup_s=_sum_of(run.setup_s for run in self.runs),
+            rank_logs=kept[0].rank_logs if kept else None,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -416,8 +417,9 @@ def format_markdown(report: dict[str, Any]) -> str:
         lines += ["", "### Failures", ""]
         for row in failures:
             lines.append(f"- {_code(row['nodeid'])}: {_md(row['failure'].get('first_line') or '')}")
-            if row["log_dir"]:
-                lines.append(f"  rank logs: {_code(row['log_dir'])}")
+            logs = row.get("rank_logs") or row["log_dir"]  # relative to this folder since version 4
+            if logs:
+                lines.append(f"  rank logs: {_code(logs)}")
     return "\n".join(lines) + "\n"
 
 

@@ -28,11 +28,13 @@ from megatron_testkit.metrics import TestMetrics
 # ``skip_summary``; memory admission (megatron_testkit.admission): a launch's and a test's
 # ``queued_s``, ``admitted_bytes`` and ``setup_s``, the session's ``admission_*`` figures (limit,
 # peak admitted).
-REPORT_VERSION = 3
+# 4: a launch's and a test's ``rank_logs`` (the rank-log folder relative to the report folder, so
+# that a downloaded artifact resolves it; ``log_dir`` keeps the absolute path of the machine that ran).
+REPORT_VERSION = 4
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
-# admission.
-READ_VERSIONS = (1, 2, 3)
+# admission; versions 1 to 3 without ``rank_logs``.
+READ_VERSIONS = (1, 2, 3, 4)
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
 OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
@@ -65,7 +67,7 @@ class SchemaError(ValueError):
 
 
 class ReportError(JsonInputError):
-    """A report that is missing, too large, not JSON, or not a well-formed kit report (versions 1 to 3)."""
+    """A report that is missing, too large, not JSON, or not a well-formed kit report (versions 1 to 4)."""
 
 
 def read_report(path: str | os.PathLike[str]) -> Report:
@@ -156,6 +158,8 @@ class Run:
     # Seconds from spawn until every rank's process group was up (Python, torch, the test's module,
     # the rendezvous): the launch timeout counts from there. None when they never all got there.
     setup_s: float | None = None
+    # The launch's folder relative to the --kit-report folder (version 4; None outside one).
+    rank_logs: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The launch as plain JSON types."""
@@ -167,7 +171,7 @@ class Run:
         values = {f.name: data.get(f.name) for f in fields(cls) if f.name in data}
         values["ranks"] = [RankPeak.from_json(r) for r in data.get("ranks") or []]
         values["failure"] = Failure.from_json(data["failure"]) if data.get("failure") else None
-        for key in ("device", "platform"):
+        for key in ("device", "platform", "rank_logs"):
             values[key] = values[key] if isinstance(values.get(key), str) else None
         for key in ("queued_s", "setup_s"):
             values[key] = float(values[key]) if _is_number(values.get(key)) else None
@@ -279,6 +283,9 @@ class TestEntry:
     queued_s: float | None = None
     admitted_bytes: int | None = None
     setup_s: float | None = None
+    # The first kept launch folder relative to the report folder (``log_dir`` is its absolute
+    # path on the machine that ran); version 4, None outside a --kit-report folder.
+    rank_logs: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The row as plain JSON types, in the report's field names."""
@@ -311,8 +318,9 @@ class TestEntry:
             values.get("leaked_processes") if _is_int(values.get("leaked_processes")) else 0
         )
         values["outcome"] = str(data["outcome"])
-        if not isinstance(values.get("skip_capability"), str):
-            values["skip_capability"] = None
+        for name in ("skip_capability", "rank_logs"):
+            if not isinstance(values.get(name), str):
+                values[name] = None
         values["metrics"] = _metrics(data.get("metrics"), f"{where}.metrics")
         values["ranks"] = [
             RankPeak.from_json(r, f"{where}.ranks[{i}]")
