@@ -753,7 +753,8 @@ class _Launch:
                     stacks.append(f"rank {r.rank}:\n{text}")
             if stacks and hasattr(exc, "add_note"):
                 exc.add_note(
-                    f"run_ranks was interrupted; rank logs in {self.shown_logs}; stacks:\n" + "\n".join(stacks)
+                    f"run_ranks was interrupted; rank logs in {self.shown_logs}; stacks:\n"
+                    + "\n".join(stacks)
                 )
 
     def diagnose(self, records: list[RankRecord], hung: bool) -> RankFailure | None:
