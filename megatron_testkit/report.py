@@ -265,14 +265,46 @@ def rss_growth_line(report: dict[str, Any]) -> str:
 
 
 _COLUMNS = ("test", "world", "backend", "time", "peak host", "peak device", "budget", "outcome")
+# Shown after ``time`` when any listed test waited for memory admission: the wait is counted
+# there, not in ``time`` (a 14 s test that queued 31 s reads 14.0s and 31.2s, not 45.2s).
+_QUEUED = "queued"
+_QUEUED_SHOWN_S = 0.05  # a wait that rounds to 0.0s in the table is no wait
+
+
+def _listed(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows the table lists: tests that launched ranks or declared a budget."""
+    return [
+        row
+        for row in report["tests"]
+        if row["world_size"] or row["budget_host_bytes"] is not None or row["budget_device_bytes"] is not None
+    ]
+
+
+def _queued_s(row: dict[str, Any]) -> float:
+    queued = row.get("queued_s")
+    return float(queued) if isinstance(queued, (int, float)) and queued > 0 else 0.0
+
+
+def shows_queued(report: dict[str, Any]) -> bool:
+    """Whether the table has a ``queued`` column: a listed test waited for admission."""
+    return any(_queued_s(row) >= _QUEUED_SHOWN_S for row in _listed(report))
+
+
+def table_columns(report: dict[str, Any]) -> tuple[str, ...]:
+    """The table's columns: `_COLUMNS`, with ``queued`` after ``time`` when `shows_queued`."""
+    if not shows_queued(report):
+        return _COLUMNS
+    at = _COLUMNS.index("time") + 1
+    return (*_COLUMNS[:at], _QUEUED, *_COLUMNS[at:])
 
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    """The printed rows: tests that launched ranks or declared a budget (others are counted)."""
+    """The printed rows: tests that launched ranks or declared a budget (others are counted).
+
+    With a ``queued`` column (`shows_queued`), ``time`` is the test's time less its wait."""
+    queued_column = shows_queued(report)
     out = []
-    for row in report["tests"]:
-        if not row["world_size"] and row["budget_host_bytes"] is None and row["budget_device_bytes"] is None:
-            continue
+    for row in _listed(report):
         budget = MemoryBudget(row["budget_host_bytes"], row["budget_device_bytes"]).describe()
         outcome = row["outcome"]
         failure = row["failure"] or {}
@@ -285,12 +317,16 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
             notes.append(caught_note(row))
         if notes:
             outcome += f" ({'; '.join(notes)})"
+        queued = _queued_s(row) if queued_column else 0.0
+        timing = [f"{max(0.0, row['duration_s'] - queued):.1f}s"]
+        if queued_column:
+            timing.append(f"{queued:.1f}s" if queued else "-")
         out.append(
             (
                 row["nodeid"],
                 str(row["world_size"] or "-"),
                 row["backend"] or "-",
-                f"{row['duration_s']:.1f}s",
+                *timing,
                 format_size(row["peak_host_bytes"]),
                 format_size(row["peak_device_bytes"]),
                 budget,
@@ -373,14 +409,15 @@ def _footer(report: dict[str, Any], written: bool = True) -> list[str]:
 def format_table(report: dict[str, Any], written: bool = True) -> str:
     """Plain-text table for the terminal summary; ``written``: a ``kit-report.json`` exists."""
     rows = table_rows(report)
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(_COLUMNS)]
+    columns = table_columns(report)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
     widths[0] = min(widths[0], 80)
 
     def line(cells: tuple[str, ...]) -> str:
         cells = (_clip(cells[0], widths[0]), *cells[1:])
         return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
-    out = [line(_COLUMNS), line(tuple("-" * w for w in widths))]
+    out = [line(columns), line(tuple("-" * w for w in widths))]
     out += [line(r) for r in rows]
     return "\n".join([*out, "", *_footer(report, written)])
 
@@ -406,8 +443,8 @@ def format_markdown(report: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| " + " | ".join(_COLUMNS) + " |",
-        "|" + "|".join("---" for _ in _COLUMNS) + "|",
+        "| " + " | ".join(table_columns(report)) + " |",
+        "|" + "|".join("---" for _ in table_columns(report)) + "|",
     ]
     for row in table_rows(report):
         lines.append("| " + " | ".join(_md(c) for c in row) + " |")

@@ -413,3 +413,25 @@ def test_the_job_summary_of_an_artifact_escapes_the_control_characters_of_its_ma
     text = job_summary(tmp_path, tmp_path)
     assert all(ch.isprintable() for line in text.splitlines() for ch in line), text
     assert "| t.py::x\\x1b]0;pwn\\x07 | failed |" in text and text.startswith("## Kit report\n\n")
+
+
+def test_time_spent_queued_for_admission_is_a_column_of_its_own_when_any_test_queued() -> None:
+    # A 14.0 s test that waited 31.2 s for admission (inside its call's 45.2 s) beside one that
+    # did not wait: each test's own time, and the wait apart.
+    def queued(nodeid: str, duration: float, wait: float | None) -> SimpleNamespace:
+        return phase(nodeid, "call", duration=duration, runs=[{**run(2, [2**20, 2**20]), "queued_s": wait}])
+
+    report = report_of(collect(queued("t.py::waited", 45.2, 31.2), queued("t.py::prompt", 3.0, 0.0)))
+    table = format_table(report).splitlines()
+    assert table[0].split() == ["test", "world", "backend", "time", "queued", "peak", "host", "peak", "device",
+                                "budget", "outcome"]  # fmt: skip
+    waited = next(line for line in table if line.startswith("t.py::waited")).split()
+    prompt = next(line for line in table if line.startswith("t.py::prompt")).split()
+    assert waited[3:5] == ["14.0s", "31.2s"] and prompt[3:5] == ["3.0s", "-"]
+    markdown = format_markdown(report)
+    assert "| test | world | backend | time | queued | peak host |" in markdown
+    assert "| t.py::waited | 2 | gloo | 14.0s | 31.2s |" in markdown
+    # Without a wait (or without admission) the table keeps its columns.
+    plain = report_of(collect(queued("t.py::prompt", 3.0, 0.0), queued("t.py::off", 2.0, None)))
+    assert "queued" not in format_table(plain).splitlines()[0]
+    assert "| test | world | backend | time | peak host |" in format_markdown(plain)
