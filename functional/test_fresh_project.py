@@ -753,8 +753,12 @@ def test_the_composite_actions_steps_run_against_a_fresh_project(
     )  # fmt: skip
     errors = [line for line in run.step("Job summary, memory chart and annotations").output.splitlines()
               if line.startswith("::error")]  # fmt: skip
+    # line=: the test function's (its decorator's, as pytest locates it), counted in the file as written.
+    source = USER_PROJECT["tests/test_user.py"].splitlines()
+    line = source.index("def test_budget_oom():")  # 1-based: the memory_budget line above it
+    assert source[line - 1].startswith("@pytest.mark.memory_budget")
     assert errors and errors[0].startswith(
-        "::error file=tests/test_user.py,title=tests/test_user.py%3A%3Atest_budget_oom%3A rank 1 oom::"
+        f"::error file=tests/test_user.py,line={line},title=tests/test_user.py%3A%3Atest_budget_oom%3A rank 1 oom::"
     ), errors
     assert run.summary.count("## Kit report") == 1 and "```mermaid\nxychart-beta" in run.summary
     assert "capabilit" not in run.summary + run.log

@@ -52,6 +52,7 @@ class TestRow:
     finished: bool = False  # its teardown report arrived
     reported: bool = False  # a phase report arrived (a row made at the test's start has none yet)
     metrics: dict[str, Any] | None = None  # the recorded series (`megatron_testkit.metrics`)
+    line: int | None = None  # the test function's line in its file (pytest's location), 1-based
 
     def entry(self) -> TestEntry:
         """The row in the report's schema (runs folded into per-test and per-rank maxima)."""
@@ -91,6 +92,7 @@ class TestRow:
             admitted_bytes=_max_of(run.admitted_bytes for run in self.runs),
             setup_s=_sum_of(run.setup_s for run in self.runs),
             rank_logs=kept[0].rank_logs if kept else None,
+            line=self.line,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -168,6 +170,7 @@ class ReportCollector:
         row = self.rows.setdefault(report.nodeid, TestRow(report.nodeid))
         row.reported = True
         row.duration_s += float(getattr(report, "duration", 0.0) or 0.0)
+        row.line = row.line or _test_line(report)
         kit = getattr(report, "kit", None) or {}
         row.runs.extend(Run.from_json(run) for run in kit.get("runs", []))
         for key in ("budget_host_bytes", "budget_device_bytes"):
@@ -205,6 +208,16 @@ class ReportCollector:
         """Every row in the report's schema (a test that started and reported nothing, in a session
         that was not interrupted, has no outcome to give and is left out)."""
         return [row.to_json() for row in self.rows.values() if row.reported]
+
+
+def _test_line(report: Any) -> int | None:
+    """The test function's line (1-based) from pytest's ``location``, when that names the file of
+    the node id (a test inherited from another file's class has its line in that other file)."""
+    location = getattr(report, "location", None)
+    if not isinstance(location, tuple) or len(location) < 2 or not isinstance(location[1], int):
+        return None
+    path = str(location[0]).replace(os.sep, "/")
+    return location[1] + 1 if report.nodeid.split("::", 1)[0] == path else None
 
 
 def _phase_outcome(report: Any) -> str:

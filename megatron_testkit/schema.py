@@ -29,7 +29,8 @@ from megatron_testkit.metrics import TestMetrics
 # ``queued_s``, ``admitted_bytes`` and ``setup_s``, the session's ``admission_*`` figures (limit,
 # peak admitted).
 # 4: a launch's and a test's ``rank_logs`` (the rank-log folder relative to the report folder, so
-# that a downloaded artifact resolves it; ``log_dir`` keeps the absolute path of the machine that ran).
+# that a downloaded artifact resolves it; ``log_dir`` keeps the absolute path of the machine that
+# ran); a test's ``line`` (its function's line: CI annotations point there).
 REPORT_VERSION = 4
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
@@ -286,6 +287,9 @@ class TestEntry:
     # The first kept launch folder relative to the report folder (``log_dir`` is its absolute
     # path on the machine that ran); version 4, None outside a --kit-report folder.
     rank_logs: str | None = None
+    # The test function's line in its file (pytest's location, 1-based; version 4): where a CI
+    # annotation points.
+    line: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The row as plain JSON types, in the report's field names."""
@@ -307,6 +311,7 @@ class TestEntry:
             "pytest_rss_before_bytes",
             "pytest_rss_after_bytes",
             "admitted_bytes",
+            "line",
         ):
             if name in values and not _is_int(values[name]):
                 values[name] = None
@@ -517,6 +522,7 @@ _INT_RANGES = {
     "dropped_sessions": (0, MAX_COUNT),
     "tests": (0, MAX_TESTS),
     "leaked_processes": (0, MAX_COUNT),
+    "line": (1, MAX_INT),
 }
 # A setting's name and value: environment variables, short.
 MAX_SETTING_CHARS = 4096

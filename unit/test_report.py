@@ -435,3 +435,29 @@ def test_time_spent_queued_for_admission_is_a_column_of_its_own_when_any_test_qu
     plain = report_of(collect(queued("t.py::prompt", 3.0, 0.0), queued("t.py::off", 2.0, None)))
     assert "queued" not in format_table(plain).splitlines()[0]
     assert "| test | world | backend | time | peak host |" in format_markdown(plain)
+
+
+def test_an_annotation_points_at_the_failed_tests_line(tmp_path: Path) -> None:
+    from megatron_testkit.report import write_report
+    from megatron_testkit.summary import annotations
+
+    own = phase("tests/test_x.py::test_y", "call", "failed")
+    own.location = ("tests/test_x.py", 11, "test_y")  # pytest's location: 0-based
+    own.longrepr = SimpleNamespace(reprcrash=SimpleNamespace(message="assert 1 == 2"))
+    inherited = phase("tests/test_x.py::TestB::test_z", "call", "failed")
+    inherited.location = ("tests/base.py", 3, "TestB.test_z")  # its line is in another file
+    rows = collect(own, inherited)
+    assert [row["line"] for row in rows] == [12, None]
+    write_report(report_of(rows), tmp_path)
+    lines = annotations(tmp_path)
+    assert lines[0].startswith(
+        "::error file=tests/test_x.py,line=12,title=tests/test_x.py%3A%3Atest_y%3A error::"
+    )
+    assert lines[1].startswith("::error file=tests/test_x.py,title=")  # no line known: none given
+    # A report from before the field (version 3) has no line: the annotation names the file only.
+    old = json.loads((tmp_path / "kit-report.json").read_text())
+    old["version"] = 3
+    for row in old["tests"]:
+        del row["line"], row["rank_logs"]
+    (tmp_path / "kit-report.json").write_text(json.dumps(old))
+    assert annotations(tmp_path)[0].startswith("::error file=tests/test_x.py,title=")
