@@ -7,6 +7,7 @@ carry; the ``kit`` dict is what the plugin attaches.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
