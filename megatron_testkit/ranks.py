@@ -49,6 +49,7 @@ from megatron_testkit import (
 )
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
+from megatron_testkit.memory_series import Sampler
 from megatron_testkit.rank_log import CappedLog
 from megatron_testkit.report_dir import in_report_folder
 from megatron_testkit.safe_write import Folder
@@ -469,6 +470,7 @@ class _Launch:
         # Where people and reports find the logs: relative to the --kit-report folder, so that a
         # downloaded artifact resolves it (the absolute path stays in RankFailure.log_dir).
         self.rank_logs = in_report_folder(self.run_dir, log_root)
+        self.memory = Sampler(time.monotonic())  # restarted at spawn: times count from there
         self.shown_logs = (
             f"{self.rank_logs} (in the --kit-report folder)" if self.rank_logs else str(self.run_dir)
         )
@@ -544,6 +546,7 @@ class _Launch:
         threads = self.admit()
         self.spec_path.write_text(json.dumps(self._spec(self.fn, threads)))
         self.spawned, self.spawned_at = time.monotonic(), time.time()
+        self.memory.started = self.spawned
         cap = rank_log.log_cap()
         proctree.hold_subreaper()
         self.subreaper = True
@@ -588,6 +591,9 @@ class _Launch:
                     detector.rank_exited(r.rank)
             if self.host_limit is not None:
                 self.enforce_host_limit(self.host_limit)
+            if self.memory.due(now):  # each rank's memory over time, for the report's charts
+                for r in self.running():
+                    self.memory.add(r.rank, now, r.rss if r.rss is not None else procfs.rss_bytes(r.proc.pid))
             if now - last_scan > 0.5:
                 last_scan = now
                 self.scan_trees()
@@ -861,6 +867,7 @@ class _Launch:
                 duration_s=time.time() - self.started,
                 log_dir=str(self.run_dir) if self.keep or failure else None,
                 rank_logs=self.rank_logs if self.keep or failure else None,
+                memory=self.memory.series() if self.memory.ranks else None,
                 ranks=[r.peak() for r in records],
                 failure=failure.to_failure() if isinstance(failure, RankFailure) else None,
                 leaked_processes=leaked,

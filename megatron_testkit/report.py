@@ -20,6 +20,7 @@ from typing import Any
 
 from accounting.json_input import printable
 from megatron_testkit.budgets import MemoryBudget, format_size
+from megatron_testkit.memory_series import bound_total
 from megatron_testkit.metrics import TestMetrics
 from megatron_testkit.schema import (
     OUTCOMES,
@@ -259,6 +260,8 @@ def build_report(session: dict[str, Any], rows: list[dict[str, Any]]) -> dict[st
     report = Report.from_json(
         {"version": REPORT_VERSION, "session": {**session, "outcome_counts": counts}, "tests": rows}
     )
+    # Memory over time stays a small part of the report, however many launches the session made.
+    bound_total(launch.memory for test in report.tests for launch in test.launches if launch.memory)
     return report.to_json()
 
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from accounting.json_input import JsonInputError, load_json, printable
+from megatron_testkit.memory_series import MAX_SERIES_POINTS, RankMemory
 from megatron_testkit.metrics import TestMetrics
 
 # 2: TestEntry.metrics (recorded series). Optional additions that older readers parse unchanged
@@ -30,7 +31,8 @@ from megatron_testkit.metrics import TestMetrics
 # peak admitted).
 # 4: a launch's and a test's ``rank_logs`` (the rank-log folder relative to the report folder, so
 # that a downloaded artifact resolves it; ``log_dir`` keeps the absolute path of the machine that
-# ran); a test's ``line`` (its function's line: CI annotations point there).
+# ran); a test's ``line`` (its function's line: CI annotations point there); a launch's
+# ``memory`` (each rank's RSS over time, sampled by the launcher: `megatron_testkit.memory_series`).
 REPORT_VERSION = 4
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
@@ -161,6 +163,8 @@ class Run:
     setup_s: float | None = None
     # The launch's folder relative to the --kit-report folder (version 4; None outside one).
     rank_logs: str | None = None
+    # Each rank's RSS over the launch, sampled by the launcher's poll (version 4).
+    memory: list[RankMemory] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The launch as plain JSON types."""
@@ -174,6 +178,7 @@ class Run:
         values["failure"] = Failure.from_json(data["failure"]) if data.get("failure") else None
         for key in ("device", "platform", "rank_logs"):
             values[key] = values[key] if isinstance(values.get(key), str) else None
+        values["memory"] = _memory(data.get("memory"))
         for key in ("queued_s", "setup_s"):
             values[key] = float(values[key]) if _is_number(values.get(key)) else None
         values["admitted_bytes"] = (
@@ -201,6 +206,8 @@ class Launch:
     peak_host_bytes: int | None = None
     peak_device_bytes: int | None = None
     caught: bool = False
+    # Each rank's RSS over the launch (version 4; None before, or when not sampled).
+    memory: list[RankMemory] | None = None
 
     @property
     def failed(self) -> bool:
@@ -228,6 +235,7 @@ class Launch:
             first_line=failure.first_line if failure else "",
             peak_host_bytes=_max_of([r.peak_host_bytes for r in run.ranks]),
             peak_device_bytes=_max_of([r.peak_device_bytes for r in run.ranks]),
+            memory=run.memory,
         )
 
     @classmethod
@@ -242,10 +250,27 @@ class Launch:
         values["kind"] = str(values["kind"]) if values.get("kind") else None
         values["first_line"] = str(values.get("first_line") or "")
         values["caught"] = values.get("caught") is True
+        values["memory"] = _memory(data.get("memory"))
         values.setdefault("world_size", 0)
         values.setdefault("backend", "")
         values.setdefault("seed", 0)
         return cls(**values)
+
+
+def _memory(data: Any) -> list[RankMemory] | None:
+    """A launch's ``memory`` field read leniently (checked beforehand by `check_report` when read
+    from a file): entries that are not a rank's series are dropped."""
+    if not isinstance(data, list):
+        return None
+    out = []
+    for item in data:
+        if isinstance(item, RankMemory):
+            out.append(item)
+        elif isinstance(item, dict) and _is_int(item.get("rank")):
+            t, rss = item.get("t_s"), item.get("rss_bytes")
+            if isinstance(t, list) and isinstance(rss, list) and len(t) == len(rss):
+                out.append(RankMemory(item["rank"], list(t), list(rss)))
+    return out
 
 
 def _max_of(values: list[int | None]) -> int | None:
@@ -509,7 +534,11 @@ def _is_number(value: Any) -> bool:
 # ---- checking a report read back: every field typed and bounded, fail closed -----------------
 
 # Fields a row cannot do without; the others have defaults or read leniently when absent.
-_REQUIRED = {"TestEntry": ("nodeid", "outcome"), "RankPeak": ("rank",)}
+_REQUIRED = {
+    "TestEntry": ("nodeid", "outcome"),
+    "RankPeak": ("rank",),
+    "RankMemory": ("rank", "t_s", "rss_bytes"),
+}
 # Integer fields with a narrower range than +-MAX_INT: (low, high), both included; sizes in bytes
 # (``*_bytes``) are 0 to MAX_INT.
 _INT_RANGES = {
@@ -529,7 +558,15 @@ MAX_SETTING_CHARS = 4096
 _TEXT_LIMITS = {"nodeid": MAX_NODEID_CHARS, "name": 256, "value": MAX_SETTING_CHARS}
 # Launches of one test: a test that launches in a loop is still far under this.
 MAX_LAUNCHES = 10_000
-_LIST_LIMITS = {"ranks": MAX_WORLD_SIZE, "tests": MAX_TESTS, "launches": MAX_LAUNCHES, "settings": 1024}
+_LIST_LIMITS = {
+    "ranks": MAX_WORLD_SIZE,
+    "tests": MAX_TESTS,
+    "launches": MAX_LAUNCHES,
+    "settings": 1024,
+    "memory": MAX_WORLD_SIZE,
+    "t_s": MAX_SERIES_POINTS,
+    "rss_bytes": MAX_SERIES_POINTS,
+}
 
 
 def check_report(data: Any) -> Report:
