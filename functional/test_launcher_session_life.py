@@ -525,3 +525,9 @@ def test_a_report_folder_moved_elsewhere_still_resolves_its_rank_logs_and_record
     assert f"Rank logs: {row['rank_logs']} (in the --kit-report folder)" in output
     names = [setting["name"] for setting in report["session"]["settings"]]
     assert "KIT_ADMISSION_DIR" not in names, names
+    # Each rank's memory over the launch, as the launcher sampled it: both ranks, times from spawn.
+    (launch,) = row["launches"]
+    assert sorted(series["rank"] for series in launch["memory"]) == [0, 1]
+    for series in launch["memory"]:
+        assert len(series["t_s"]) == len(series["rss_bytes"]) >= 1 and series["t_s"] == sorted(series["t_s"])
+        assert all(0 < b < 2**40 for b in series["rss_bytes"])
