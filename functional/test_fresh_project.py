@@ -677,6 +677,21 @@ def test_a_new_users_ci_session_runs_command_by_command_with_only_the_wheel(
         row["nodeid"]: row for row in json.loads((project / "reports/kit-report.json").read_text())["tests"]
     }
     assert (rows[OOM]["failure"]["rank"], rows[OOM]["failure"]["kind"]) == (1, "oom")
+    # What the report records is the user's run: no variable the kit set for its own processes.
+    report = json.loads((project / "reports/kit-report.json").read_text())
+    assert not [s for s in report["session"]["settings"] if s["name"] == "KIT_ADMISSION_DIR"]
+    # Its paths are relative to the report folder: a copy of the folder elsewhere (a downloaded
+    # artifact) resolves the rank logs from the row and from the failure's "Rank logs:" line.
+    artifact = tmp_path / "downloaded" / "kit-reports-tests"
+    shutil.copytree(project / "reports", artifact)
+    logs = rows[OOM]["rank_logs"]
+    assert (artifact / logs / "rank1.log").is_file(), logs
+    assert f"Rank logs: {logs} (in the --kit-report folder)" in rows[OOM]["failure"]["message"]
+    assert f"rank logs: `{logs}`" in (artifact / "kit-report.md").read_text()
+    # Each rank's memory over time, sampled by the launcher's poll: both ranks, budget or not.
+    for row in (rows[OOM], rows[CAUGHT]):
+        (launch,) = row["launches"]
+        assert sorted(series["rank"] for series in launch["memory"]) == [0, 1], row["nodeid"]
     # The caught launch keeps its verdict: passed, and the launch failed on rank 1 (oom), caught.
     assert rows[CAUGHT]["outcome"] == "passed" and rows[CAUGHT]["failure"] is None
     (launch,) = rows[CAUGHT]["launches"]
@@ -717,6 +732,10 @@ def test_a_new_users_ci_session_runs_command_by_command_with_only_the_wheel(
     chart = _run_fresh(python, "-m", "megatron_testkit", "chart", "reports/kit-report.json", cwd=project)
     assert chart.returncode == 0, chart.stderr
     assert "```mermaid\nxychart-beta" in chart.stdout and '"test_budget_oom"' in chart.stdout
+    # A bar per rank, the test without a budget too; memory over time, a line per rank.
+    assert '"test_budget_oom r0", "test_budget_oom r1"' in chart.stdout
+    assert '"test_caught r0", "test_caught r1"' in chart.stdout  # no budget: in the ranks' chart
+    assert "Host RSS over time" in chart.stdout
     assert "matplotlib is not installed, PNG skipped" in chart.stdout
     # summary takes the report folder, or the report file as chart and repro take it.
     kit = (python, "-m", "megatron_testkit", "summary", "--annotations")
@@ -724,6 +743,11 @@ def test_a_new_users_ci_session_runs_command_by_command_with_only_the_wheel(
     by_file = _run_fresh(*kit, "reports/kit-report.json", cwd=project)
     assert by_folder.returncode == by_file.returncode == 0, by_folder.stderr + by_file.stderr
     assert by_file.stdout == by_folder.stdout and "test_budget_oom%3A rank 1 oom::" in by_file.stdout
+    # --repro-line: the command alone, on one line, as the action prints it.
+    line = _run_fresh(python, "-m", "megatron_testkit", "summary", "--repro-line", "reports", cwd=project)
+    assert line.returncode == 0 and line.stdout == (
+        "python -m megatron_testkit repro --from-report kit-report.json\n"
+    ), line.stdout
     other = _run_fresh(*kit, "tests/test_user.py", cwd=project)
     assert other.returncode == 2 and "REPORT_DIR is the --kit-report folder" in other.stderr, other.stderr
 
@@ -753,8 +777,12 @@ def test_the_composite_actions_steps_run_against_a_fresh_project(
     )  # fmt: skip
     errors = [line for line in run.step("Job summary, memory chart and annotations").output.splitlines()
               if line.startswith("::error")]  # fmt: skip
+    # line=: the test function's (its decorator's, as pytest locates it), counted in the file as written.
+    source = USER_PROJECT["tests/test_user.py"].splitlines()
+    line = source.index("def test_budget_oom():")  # 1-based: the memory_budget line above it
+    assert source[line - 1].startswith("@pytest.mark.memory_budget")
     assert errors and errors[0].startswith(
-        "::error file=tests/test_user.py,title=tests/test_user.py%3A%3Atest_budget_oom%3A rank 1 oom::"
+        f"::error file=tests/test_user.py,line={line},title=tests/test_user.py%3A%3Atest_budget_oom%3A rank 1 oom::"
     ), errors
     assert run.summary.count("## Kit report") == 1 and "```mermaid\nxychart-beta" in run.summary
     assert "capabilit" not in run.summary + run.log

@@ -482,3 +482,52 @@ def test_a_rank_killed_by_the_repro_watcher_is_oom_in_the_report(tmp_path: Path)
     assert (failure["rank"], failure["kind"]) == (1, "oom"), failure["first_line"]
     assert "killed by python -m ci repro" in failure["first_line"]
     assert "rank 1 oom: " in output
+
+
+FAILING_RANK = textwrap.dedent(
+    """
+    from megatron_testkit.ranks import run_ranks
+
+
+    def fail_on_one(rank, world_size):
+        if rank == 1:
+            raise ValueError("rank one gives up")
+        return rank
+
+
+    def test_fails():
+        run_ranks(fail_on_one, 2, timeout=120)
+    """
+)
+
+
+@pytest.mark.L0
+def test_a_report_folder_moved_elsewhere_still_resolves_its_rank_logs_and_records_no_kit_internals(
+    tmp_path: Path,
+) -> None:
+    # As CI runs it: the report folder is uploaded, and a person opens the downloaded copy on
+    # another machine. Every path the report, its Markdown and the failure's "Rank logs:" line
+    # give must resolve from that copy, and the session's settings are the user's only.
+    proc = _start(tmp_path, FAILING_RANK, "--kit-report=reports")
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 1, output[-3000:]
+    downloaded = tmp_path / "elsewhere" / "artifact"
+    downloaded.parent.mkdir()
+    (tmp_path / "reports").rename(downloaded)
+    report = json.loads((downloaded / "kit-report.json").read_text())
+    (row,) = report["tests"]
+    assert row["rank_logs"].startswith("logs/session-"), row["rank_logs"]
+    assert "rank one gives up" in (downloaded / row["rank_logs"] / "rank1.log").read_text()
+    shown = [line for line in row["failure"]["message"].splitlines() if line.startswith("Rank logs: ")]
+    assert shown == [f"Rank logs: {row['rank_logs']} (in the --kit-report folder)"], shown
+    assert f"  rank logs: `{row['rank_logs']}`" in (downloaded / "kit-report.md").read_text()
+    # The terminal says the same (a person reads it there first).
+    assert f"Rank logs: {row['rank_logs']} (in the --kit-report folder)" in output
+    names = [setting["name"] for setting in report["session"]["settings"]]
+    assert "KIT_ADMISSION_DIR" not in names, names
+    # Each rank's memory over the launch, as the launcher sampled it: both ranks, times from spawn.
+    (launch,) = row["launches"]
+    assert sorted(series["rank"] for series in launch["memory"]) == [0, 1]
+    for series in launch["memory"]:
+        assert len(series["t_s"]) == len(series["rss_bytes"]) >= 1 and series["t_s"] == sorted(series["t_s"])
+        assert all(0 < b < 2**40 for b in series["rss_bytes"])

@@ -52,14 +52,18 @@ class _Usage(Exception):
     pass
 
 
+SUMMARY_HELP = (
+    "A CI job's summary of its report folder: the Markdown of the job summary on stdout (the report's"
+    " table, the memory chart, the command that reproduces the job), or the ::error lines of the failed"
+    " tests (--annotations), or that command alone on one line (--repro-line)."
+)
+
+
 def _summary(argv: list[str]) -> int:
-    """``summary REPORT_DIR``: the job summary's Markdown on stdout, or (``--annotations``) the
-    ``::error`` lines of the failed tests."""
+    """``summary REPORT_DIR``: the job summary's Markdown, the ``::error`` lines or the repro line."""
     import os
 
-    parser = _Parser(
-        prog=f"{PROG} summary", description=_summary.__doc__.splitlines()[0] if _summary.__doc__ else None
-    )
+    parser = _Parser(prog=f"{PROG} summary", description=SUMMARY_HELP)
     parser.add_argument("reports", metavar="REPORT_DIR", help="the --kit-report folder (kit-report.json/.md)")
     parser.add_argument("--artifact", metavar="NAME", help="the CI artifact that holds the folder")
     parser.add_argument(
@@ -79,7 +83,7 @@ def _summary(argv: list[str]) -> int:
     shown = parser.add_mutually_exclusive_group()
     shown.add_argument("--annotations", action="store_true", help="print the ::error lines instead")
     shown.add_argument(
-        "--repro-line", action="store_true", help="print only the command that reproduces the job"
+        "--repro-line", action="store_true", help="print only the command that reproduces the job, one line"
     )
     try:
         args = parser.parse_args(argv)
@@ -118,6 +122,9 @@ def _summary(argv: list[str]) -> int:
         os.environ.get("GITHUB_RUN_ID"),
         os.environ.get("GITHUB_REPOSITORY"),
     )
+    if args.repro_line:
+        print(printable(repro))  # one line: a newline in an input is written as an escape
+        return 0
     sys.stdout.write(
         summary.job_summary(
             reports, Path(args.root), artifact=args.artifact, repro=repro, also=[Path(p) for p in args.also]

@@ -292,11 +292,21 @@ def write(report: dict[str, Any], out: Path) -> tuple[Path, Path]:
     return json_path, md_path
 
 
+MERGE_HELP = (
+    "Merge the kit reports of a multi-node torchrun job (each node's --kit-report folder, DIR...) into one"
+    " report folder OUT: kit-report.json and kit-report.md, one row per test with every node's ranks."
+)
+
+
 def main(argv: list[str], prog: str = "python -m megatron_testkit") -> int:
     """``merge-reports OUT DIR [DIR ...]``: 0 when merged, 2 on bad input (message on stderr)."""
-    if len(argv) < 2 or argv[0] in ("-h", "--help"):
-        print(f"usage: {prog} merge-reports OUT DIR [DIR ...]", file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    usage = f"usage: {prog} merge-reports OUT DIR [DIR ...]"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{MERGE_HELP}")
+        return 0
+    if len(argv) < 2:
+        print(f"{prog}: error: merge-reports: expected OUT and at least one DIR ({usage})", file=sys.stderr)
+        return 2
     out, dirs = Path(argv[0]), [Path(d) for d in argv[1:]]
     try:
         report = merge(find_reports(dirs, exclude=out))

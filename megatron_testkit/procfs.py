@@ -1,5 +1,5 @@
 """The kit's one reader of a process' memory from /proc: the peak (VmHWM), the current RSS (VmRSS) and
-what a descendant adds (its private pages).
+what a descendant adds (its private pages); and the one reset of this process' peak (`reset_peak_rss`).
 
 VmHWM, not ``ru_maxrss``: Linux carries ``ru_maxrss`` over an exec, so a rank spawned from a large
 pytest process would report its parent's RSS as its own peak.
@@ -20,6 +20,17 @@ def peak_rss_bytes(pid: int | str = "self") -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def reset_peak_rss() -> bool:
+    """Set this process' VmHWM back to its current RSS (``5`` into ``/proc/self/clear_refs``, Linux
+    4.0+), so that the next `peak_rss_bytes` is the peak since now; False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def rss_bytes(pid: int | str) -> int | None:

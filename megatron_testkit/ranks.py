@@ -49,7 +49,9 @@ from megatron_testkit import (
 )
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
+from megatron_testkit.memory_series import Sampler
 from megatron_testkit.rank_log import CappedLog
+from megatron_testkit.report_dir import in_report_folder
 from megatron_testkit.safe_write import Folder
 from megatron_testkit.schema import Run
 
@@ -463,8 +465,14 @@ class _Launch:
         # recorder while the launcher still waits; gloo gets the same margin.
         self.pg_timeout = max(5.0, min(timeout * 0.8, timeout - 10.0))
         self.seed = attribution.seed_for(self.test_id)
-        self.run_dir, self.keep = _run_dir(
-            self.test_id, context.log_root if context else attribution.log_root()
+        log_root = context.log_root if context else attribution.log_root()
+        self.run_dir, self.keep = _run_dir(self.test_id, log_root)
+        # Where people and reports find the logs: relative to the --kit-report folder, so that a
+        # downloaded artifact resolves it (the absolute path stays in RankFailure.log_dir).
+        self.rank_logs = in_report_folder(self.run_dir, log_root)
+        self.memory = Sampler(time.monotonic())  # restarted at spawn: times count from there
+        self.shown_logs = (
+            f"{self.rank_logs} (in the --kit-report folder)" if self.rank_logs else str(self.run_dir)
         )
         (self.run_dir / "payload.pkl").write_bytes(payload)
         self.spec_path = self.run_dir / "spec.json"
@@ -538,6 +546,7 @@ class _Launch:
         threads = self.admit()
         self.spec_path.write_text(json.dumps(self._spec(self.fn, threads)))
         self.spawned, self.spawned_at = time.monotonic(), time.time()
+        self.memory.started = self.spawned
         cap = rank_log.log_cap()
         proctree.hold_subreaper()
         self.subreaper = True
@@ -582,6 +591,9 @@ class _Launch:
                     detector.rank_exited(r.rank)
             if self.host_limit is not None:
                 self.enforce_host_limit(self.host_limit)
+            if self.memory.due(now):  # each rank's memory over time, for the report's charts
+                for r in self.running():
+                    self.memory.add(r.rank, now, r.rss if r.rss is not None else procfs.rss_bytes(r.proc.pid))
             if now - last_scan > 0.5:
                 last_scan = now
                 self.scan_trees()
@@ -747,7 +759,8 @@ class _Launch:
                     stacks.append(f"rank {r.rank}:\n{text}")
             if stacks and hasattr(exc, "add_note"):
                 exc.add_note(
-                    f"run_ranks was interrupted; rank logs in {self.run_dir}; stacks:\n" + "\n".join(stacks)
+                    f"run_ranks was interrupted; rank logs in {self.shown_logs}; stacks:\n"
+                    + "\n".join(stacks)
                 )
 
     def diagnose(self, records: list[RankRecord], hung: bool) -> RankFailure | None:
@@ -763,7 +776,7 @@ class _Launch:
             root.extra["stall"] = self.stall_verdict
         _refuse_if_failed_at_startup(root, self.budget)
         message = format_failure(
-            root, records, timeout=self.timeout, log_dir=str(self.run_dir), started=self.started
+            root, records, timeout=self.timeout, log_dir=self.shown_logs, started=self.started
         )
         # NCCL dumps on a watchdog timeout and on the launcher's request (`stop`); any rank may
         # also have dumped on its own (gloo records too): what the dumps say joins the message.
@@ -853,6 +866,8 @@ class _Launch:
                 seed=self.seed,
                 duration_s=time.time() - self.started,
                 log_dir=str(self.run_dir) if self.keep or failure else None,
+                rank_logs=self.rank_logs if self.keep or failure else None,
+                memory=self.memory.series() if self.memory.ranks else None,
                 ranks=[r.peak() for r in records],
                 failure=failure.to_failure() if isinstance(failure, RankFailure) else None,
                 leaked_processes=leaked,

@@ -20,6 +20,7 @@ from typing import Any
 
 from accounting.json_input import printable
 from megatron_testkit.budgets import MemoryBudget, format_size
+from megatron_testkit.memory_series import bound_total
 from megatron_testkit.metrics import TestMetrics
 from megatron_testkit.schema import (
     OUTCOMES,
@@ -52,6 +53,7 @@ class TestRow:
     finished: bool = False  # its teardown report arrived
     reported: bool = False  # a phase report arrived (a row made at the test's start has none yet)
     metrics: dict[str, Any] | None = None  # the recorded series (`megatron_testkit.metrics`)
+    line: int | None = None  # the test function's line in its file (pytest's location), 1-based
 
     def entry(self) -> TestEntry:
         """The row in the report's schema (runs folded into per-test and per-rank maxima)."""
@@ -65,7 +67,7 @@ class TestRow:
                 row.peak_device_bytes = _max(row.peak_device_bytes, r.peak_device_bytes)
                 row.exit_code, row.signal = r.exit_code, r.signal
         last = self.runs[-1] if self.runs else None
-        log_dirs = [run.log_dir for run in self.runs if run.log_dir]
+        kept = [run for run in self.runs if run.log_dir]
         return TestEntry(
             nodeid=self.nodeid,
             outcome=self.outcome,
@@ -82,7 +84,7 @@ class TestRow:
             pytest_rss_before_bytes=self.pytest_rss_before_bytes,
             pytest_rss_after_bytes=self.pytest_rss_after_bytes,
             leaked_processes=self.leaked_processes + sum(run.leaked_processes for run in self.runs),
-            log_dir=log_dirs[0] if log_dirs else None,
+            log_dir=kept[0].log_dir if kept else None,
             launches=launch_records(self.runs, self.failure),
             worker=self.worker,
             skip_capability=self.skip_capability,
@@ -90,6 +92,8 @@ class TestRow:
             queued_s=_sum_of(run.queued_s for run in self.runs),
             admitted_bytes=_max_of(run.admitted_bytes for run in self.runs),
             setup_s=_sum_of(run.setup_s for run in self.runs),
+            rank_logs=kept[0].rank_logs if kept else None,
+            line=self.line,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -167,6 +171,7 @@ class ReportCollector:
         row = self.rows.setdefault(report.nodeid, TestRow(report.nodeid))
         row.reported = True
         row.duration_s += float(getattr(report, "duration", 0.0) or 0.0)
+        row.line = row.line or _test_line(report)
         kit = getattr(report, "kit", None) or {}
         row.runs.extend(Run.from_json(run) for run in kit.get("runs", []))
         for key in ("budget_host_bytes", "budget_device_bytes"):
@@ -204,6 +209,16 @@ class ReportCollector:
         """Every row in the report's schema (a test that started and reported nothing, in a session
         that was not interrupted, has no outcome to give and is left out)."""
         return [row.to_json() for row in self.rows.values() if row.reported]
+
+
+def _test_line(report: Any) -> int | None:
+    """The test function's line (1-based) from pytest's ``location``, when that names the file of
+    the node id (a test inherited from another file's class has its line in that other file)."""
+    location = getattr(report, "location", None)
+    if not isinstance(location, tuple) or len(location) < 2 or not isinstance(location[1], int):
+        return None
+    path = str(location[0]).replace(os.sep, "/")
+    return location[1] + 1 if report.nodeid.split("::", 1)[0] == path else None
 
 
 def _phase_outcome(report: Any) -> str:
@@ -245,6 +260,8 @@ def build_report(session: dict[str, Any], rows: list[dict[str, Any]]) -> dict[st
     report = Report.from_json(
         {"version": REPORT_VERSION, "session": {**session, "outcome_counts": counts}, "tests": rows}
     )
+    # Memory over time stays a small part of the report, however many launches the session made.
+    bound_total(launch.memory for test in report.tests for launch in test.launches if launch.memory)
     return report.to_json()
 
 
@@ -264,14 +281,46 @@ def rss_growth_line(report: dict[str, Any]) -> str:
 
 
 _COLUMNS = ("test", "world", "backend", "time", "peak host", "peak device", "budget", "outcome")
+# Shown after ``time`` when any listed test waited for memory admission: the wait is counted
+# there, not in ``time`` (a 14 s test that queued 31 s reads 14.0s and 31.2s, not 45.2s).
+_QUEUED = "queued"
+_QUEUED_SHOWN_S = 0.05  # a wait that rounds to 0.0s in the table is no wait
+
+
+def _listed(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows the table lists: tests that launched ranks or declared a budget."""
+    return [
+        row
+        for row in report["tests"]
+        if row["world_size"] or row["budget_host_bytes"] is not None or row["budget_device_bytes"] is not None
+    ]
+
+
+def _queued_s(row: dict[str, Any]) -> float:
+    queued = row.get("queued_s")
+    return float(queued) if isinstance(queued, (int, float)) and queued > 0 else 0.0
+
+
+def shows_queued(report: dict[str, Any]) -> bool:
+    """Whether the table has a ``queued`` column: a listed test waited for admission."""
+    return any(_queued_s(row) >= _QUEUED_SHOWN_S for row in _listed(report))
+
+
+def table_columns(report: dict[str, Any]) -> tuple[str, ...]:
+    """The table's columns: `_COLUMNS`, with ``queued`` after ``time`` when `shows_queued`."""
+    if not shows_queued(report):
+        return _COLUMNS
+    at = _COLUMNS.index("time") + 1
+    return (*_COLUMNS[:at], _QUEUED, *_COLUMNS[at:])
 
 
 def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    """The printed rows: tests that launched ranks or declared a budget (others are counted)."""
+    """The printed rows: tests that launched ranks or declared a budget (others are counted).
+
+    With a ``queued`` column (`shows_queued`), ``time`` is the test's time less its wait."""
+    queued_column = shows_queued(report)
     out = []
-    for row in report["tests"]:
-        if not row["world_size"] and row["budget_host_bytes"] is None and row["budget_device_bytes"] is None:
-            continue
+    for row in _listed(report):
         budget = MemoryBudget(row["budget_host_bytes"], row["budget_device_bytes"]).describe()
         outcome = row["outcome"]
         failure = row["failure"] or {}
@@ -284,12 +333,16 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
             notes.append(caught_note(row))
         if notes:
             outcome += f" ({'; '.join(notes)})"
+        queued = _queued_s(row) if queued_column else 0.0
+        timing = [f"{max(0.0, row['duration_s'] - queued):.1f}s"]
+        if queued_column:
+            timing.append(f"{queued:.1f}s" if queued else "-")
         out.append(
             (
                 row["nodeid"],
                 str(row["world_size"] or "-"),
                 row["backend"] or "-",
-                f"{row['duration_s']:.1f}s",
+                *timing,
                 format_size(row["peak_host_bytes"]),
                 format_size(row["peak_device_bytes"]),
                 budget,
@@ -372,14 +425,15 @@ def _footer(report: dict[str, Any], written: bool = True) -> list[str]:
 def format_table(report: dict[str, Any], written: bool = True) -> str:
     """Plain-text table for the terminal summary; ``written``: a ``kit-report.json`` exists."""
     rows = table_rows(report)
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(_COLUMNS)]
+    columns = table_columns(report)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
     widths[0] = min(widths[0], 80)
 
     def line(cells: tuple[str, ...]) -> str:
         cells = (_clip(cells[0], widths[0]), *cells[1:])
         return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
-    out = [line(_COLUMNS), line(tuple("-" * w for w in widths))]
+    out = [line(columns), line(tuple("-" * w for w in widths))]
     out += [line(r) for r in rows]
     return "\n".join([*out, "", *_footer(report, written)])
 
@@ -405,8 +459,8 @@ def format_markdown(report: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| " + " | ".join(_COLUMNS) + " |",
-        "|" + "|".join("---" for _ in _COLUMNS) + "|",
+        "| " + " | ".join(table_columns(report)) + " |",
+        "|" + "|".join("---" for _ in table_columns(report)) + "|",
     ]
     for row in table_rows(report):
         lines.append("| " + " | ".join(_md(c) for c in row) + " |")
@@ -416,8 +470,9 @@ def format_markdown(report: dict[str, Any]) -> str:
         lines += ["", "### Failures", ""]
         for row in failures:
             lines.append(f"- {_code(row['nodeid'])}: {_md(row['failure'].get('first_line') or '')}")
-            if row["log_dir"]:
-                lines.append(f"  rank logs: {_code(row['log_dir'])}")
+            logs = row.get("rank_logs") or row["log_dir"]  # relative to this folder since version 4
+            if logs:
+                lines.append(f"  rank logs: {_code(logs)}")
     return "\n".join(lines) + "\n"
 
 

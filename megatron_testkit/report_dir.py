@@ -20,6 +20,22 @@ from typing import IO
 from megatron_testkit.safe_write import Folder
 
 MARKER = ".megatron-testkit-session"
+LOGS = "logs"
+
+
+def in_report_folder(path: str | os.PathLike[str], log_root: str | os.PathLike[str] | None) -> str | None:
+    """``path`` relative to the ``--kit-report`` folder whose session log folder is ``log_root``
+    (``DIR/logs/<session>``), e.g. ``logs/session-.../t.py-test_x``; None when ``log_root`` is not
+    such a folder or ``path`` lies outside ``DIR``. A downloaded artifact of ``DIR`` resolves it."""
+    if not log_root:
+        return None
+    root = Path(log_root)
+    if root.parent.name != LOGS:
+        return None
+    try:
+        return Path(path).relative_to(root.parent.parent).as_posix()
+    except ValueError:
+        return None
 
 
 class SessionLogs:
@@ -32,12 +48,12 @@ class SessionLogs:
 
     def __init__(self, report_dir: Path) -> None:
         self.folder = Folder(report_dir, what="--kit-report folder")
-        logs = self.folder.make_dir("logs")
+        logs = self.folder.make_dir(LOGS)
         remove_finished(logs)
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        self.path = self.folder.make_unique_dir(f"logs/session-{stamp}-{os.getpid()}")
+        self.path = self.folder.make_unique_dir(f"{LOGS}/session-{stamp}-{os.getpid()}")
         name = self.path.name
-        self._lock: IO[bytes] | None = self.folder.open_new(f"logs/{name}/{MARKER}")
+        self._lock: IO[bytes] | None = self.folder.open_new(f"{LOGS}/{name}/{MARKER}")
         fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._lock.write(f"rank logs of the pytest session with pid {os.getpid()}\n".encode())
         self._lock.flush()

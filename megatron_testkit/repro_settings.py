@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_testkit import kit_settings
 from megatron_testkit.schema import MAX_SETTING_CHARS, Setting
 
 # The kit's settings a repro restores: each is parsed by the plugin at configuration.
@@ -35,8 +36,9 @@ KIT_SETTINGS = (
     "KIT_TRACK_COLLECTIVES",
     "KIT_CI_JOB",
 )
-# Set by the launcher for its ranks, or naming a path of the machine that ran: never recorded.
-NOT_RECORDED = ("KIT_RANK_SPEC", "KIT_LAUNCHER_PID", "KIT_METRICS_DIR", "KIT_RANK_CGROUP")
+# Set by the kit for its own processes (the launcher for its ranks, the session for its workers:
+# KIT_ADMISSION_DIR), or naming a path of the machine that ran: never recorded (the settings table).
+NOT_RECORDED = kit_settings.NOT_RECORDED
 # Others that change what a test does, and the form their value must have to be restored.
 _OTHER_FORMS = {
     "CI": re.compile(r"[A-Za-z0-9_.-]{0,32}"),
@@ -99,6 +101,8 @@ def restorable(settings: Iterable[Setting | Mapping[str, Any]]) -> Restored:
             ok = bool(_OTHER_FORMS[name].fullmatch(value))
         elif name in KIT_SETTINGS:
             ok = bool(_KIT_VALUE.fullmatch(value)) and len(value) <= 1024
+        elif name in NOT_RECORDED:
+            continue  # an older report's record of what the kit set for itself: nothing to restore
         else:
             out.left_out.append((name, "not a setting of the kit: set it yourself if the test reads it"))
             continue

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from accounting.json_input import JsonInputError, load_json, printable
+from megatron_testkit.memory_series import MAX_SERIES_POINTS, RankMemory
 from megatron_testkit.metrics import TestMetrics
 
 # 2: TestEntry.metrics (recorded series). Optional additions that older readers parse unchanged
@@ -28,11 +29,15 @@ from megatron_testkit.metrics import TestMetrics
 # ``skip_summary``; memory admission (megatron_testkit.admission): a launch's and a test's
 # ``queued_s``, ``admitted_bytes`` and ``setup_s``, the session's ``admission_*`` figures (limit,
 # peak admitted).
-REPORT_VERSION = 3
+# 4: a launch's and a test's ``rank_logs`` (the rank-log folder relative to the report folder, so
+# that a downloaded artifact resolves it; ``log_dir`` keeps the absolute path of the machine that
+# ran); a test's ``line`` (its function's line: CI annotations point there); a launch's
+# ``memory`` (each rank's RSS over time, sampled by the launcher: `megatron_testkit.memory_series`).
+REPORT_VERSION = 4
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
-# admission.
-READ_VERSIONS = (1, 2, 3)
+# admission; versions 1 to 3 without ``rank_logs``.
+READ_VERSIONS = (1, 2, 3, 4)
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
 OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
@@ -65,7 +70,7 @@ class SchemaError(ValueError):
 
 
 class ReportError(JsonInputError):
-    """A report that is missing, too large, not JSON, or not a well-formed kit report (versions 1 to 3)."""
+    """A report that is missing, too large, not JSON, or not a well-formed kit report (versions 1 to 4)."""
 
 
 def read_report(path: str | os.PathLike[str]) -> Report:
@@ -156,6 +161,10 @@ class Run:
     # Seconds from spawn until every rank's process group was up (Python, torch, the test's module,
     # the rendezvous): the launch timeout counts from there. None when they never all got there.
     setup_s: float | None = None
+    # The launch's folder relative to the --kit-report folder (version 4; None outside one).
+    rank_logs: str | None = None
+    # Each rank's RSS over the launch, sampled by the launcher's poll (version 4).
+    memory: list[RankMemory] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The launch as plain JSON types."""
@@ -167,8 +176,9 @@ class Run:
         values = {f.name: data.get(f.name) for f in fields(cls) if f.name in data}
         values["ranks"] = [RankPeak.from_json(r) for r in data.get("ranks") or []]
         values["failure"] = Failure.from_json(data["failure"]) if data.get("failure") else None
-        for key in ("device", "platform"):
+        for key in ("device", "platform", "rank_logs"):
             values[key] = values[key] if isinstance(values.get(key), str) else None
+        values["memory"] = _memory(data.get("memory"))
         for key in ("queued_s", "setup_s"):
             values[key] = float(values[key]) if _is_number(values.get(key)) else None
         values["admitted_bytes"] = (
@@ -196,6 +206,8 @@ class Launch:
     peak_host_bytes: int | None = None
     peak_device_bytes: int | None = None
     caught: bool = False
+    # Each rank's RSS over the launch (version 4; None before, or when not sampled).
+    memory: list[RankMemory] | None = None
 
     @property
     def failed(self) -> bool:
@@ -223,6 +235,7 @@ class Launch:
             first_line=failure.first_line if failure else "",
             peak_host_bytes=_max_of([r.peak_host_bytes for r in run.ranks]),
             peak_device_bytes=_max_of([r.peak_device_bytes for r in run.ranks]),
+            memory=run.memory,
         )
 
     @classmethod
@@ -237,10 +250,27 @@ class Launch:
         values["kind"] = str(values["kind"]) if values.get("kind") else None
         values["first_line"] = str(values.get("first_line") or "")
         values["caught"] = values.get("caught") is True
+        values["memory"] = _memory(data.get("memory"))
         values.setdefault("world_size", 0)
         values.setdefault("backend", "")
         values.setdefault("seed", 0)
         return cls(**values)
+
+
+def _memory(data: Any) -> list[RankMemory] | None:
+    """A launch's ``memory`` field read leniently (checked beforehand by `check_report` when read
+    from a file): entries that are not a rank's series are dropped."""
+    if not isinstance(data, list):
+        return None
+    out = []
+    for item in data:
+        if isinstance(item, RankMemory):
+            out.append(item)
+        elif isinstance(item, dict) and _is_int(item.get("rank")):
+            t, rss = item.get("t_s"), item.get("rss_bytes")
+            if isinstance(t, list) and isinstance(rss, list) and len(t) == len(rss):
+                out.append(RankMemory(item["rank"], list(t), list(rss)))
+    return out
 
 
 def _max_of(values: list[int | None]) -> int | None:
@@ -279,6 +309,12 @@ class TestEntry:
     queued_s: float | None = None
     admitted_bytes: int | None = None
     setup_s: float | None = None
+    # The first kept launch folder relative to the report folder (``log_dir`` is its absolute
+    # path on the machine that ran); version 4, None outside a --kit-report folder.
+    rank_logs: str | None = None
+    # The test function's line in its file (pytest's location, 1-based; version 4): where a CI
+    # annotation points.
+    line: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The row as plain JSON types, in the report's field names."""
@@ -300,6 +336,7 @@ class TestEntry:
             "pytest_rss_before_bytes",
             "pytest_rss_after_bytes",
             "admitted_bytes",
+            "line",
         ):
             if name in values and not _is_int(values[name]):
                 values[name] = None
@@ -311,8 +348,9 @@ class TestEntry:
             values.get("leaked_processes") if _is_int(values.get("leaked_processes")) else 0
         )
         values["outcome"] = str(data["outcome"])
-        if not isinstance(values.get("skip_capability"), str):
-            values["skip_capability"] = None
+        for name in ("skip_capability", "rank_logs"):
+            if not isinstance(values.get(name), str):
+                values[name] = None
         values["metrics"] = _metrics(data.get("metrics"), f"{where}.metrics")
         values["ranks"] = [
             RankPeak.from_json(r, f"{where}.ranks[{i}]")
@@ -496,7 +534,11 @@ def _is_number(value: Any) -> bool:
 # ---- checking a report read back: every field typed and bounded, fail closed -----------------
 
 # Fields a row cannot do without; the others have defaults or read leniently when absent.
-_REQUIRED = {"TestEntry": ("nodeid", "outcome"), "RankPeak": ("rank",)}
+_REQUIRED = {
+    "TestEntry": ("nodeid", "outcome"),
+    "RankPeak": ("rank",),
+    "RankMemory": ("rank", "t_s", "rss_bytes"),
+}
 # Integer fields with a narrower range than +-MAX_INT: (low, high), both included; sizes in bytes
 # (``*_bytes``) are 0 to MAX_INT.
 _INT_RANGES = {
@@ -509,13 +551,22 @@ _INT_RANGES = {
     "dropped_sessions": (0, MAX_COUNT),
     "tests": (0, MAX_TESTS),
     "leaked_processes": (0, MAX_COUNT),
+    "line": (1, MAX_INT),
 }
 # A setting's name and value: environment variables, short.
 MAX_SETTING_CHARS = 4096
 _TEXT_LIMITS = {"nodeid": MAX_NODEID_CHARS, "name": 256, "value": MAX_SETTING_CHARS}
 # Launches of one test: a test that launches in a loop is still far under this.
 MAX_LAUNCHES = 10_000
-_LIST_LIMITS = {"ranks": MAX_WORLD_SIZE, "tests": MAX_TESTS, "launches": MAX_LAUNCHES, "settings": 1024}
+_LIST_LIMITS = {
+    "ranks": MAX_WORLD_SIZE,
+    "tests": MAX_TESTS,
+    "launches": MAX_LAUNCHES,
+    "settings": 1024,
+    "memory": MAX_WORLD_SIZE,
+    "t_s": MAX_SERIES_POINTS,
+    "rss_bytes": MAX_SERIES_POINTS,
+}
 
 
 def check_report(data: Any) -> Report:

@@ -125,9 +125,9 @@ def _property(text: str) -> str:
 
 def annotations(reports: Path, limit: int = MAX_ANNOTATIONS) -> list[str]:
     """One ``::error`` line per failed, errored or interrupted test of the folder's report:
-    ``::error file=tests/test_x.py,title=tests/test_x.py::test_y: rank 1 oom::<first line>``,
-    the first `limit` of them, then one line that counts the rest. Empty when the report is
-    missing or unusable (the summary says why)."""
+    ``::error file=tests/test_x.py,line=12,title=tests/test_x.py::test_y: rank 1 oom::<first line>``
+    (``line=``: the test function's, where the report has it), the first `limit` of them, then one
+    line that counts the rest. Empty when the report is missing or unusable (the summary says why)."""
     try:
         report = load_report(reports / REPORT_JSON)
     except ReportError:
@@ -141,6 +141,9 @@ def annotations(reports: Path, limit: int = MAX_ANNOTATIONS) -> list[str]:
         message = printable(v.first_line, 600) or f"{v.outcome} (see the job's kit report)"
         path = v.nodeid.split("::", 1)[0]
         where = f"file={_property(printable(path, 300))}," if path.endswith(".py") else ""
+        line = test.get("line")  # the test function's line; absent in reports before version 4
+        if where and isinstance(line, int) and not isinstance(line, bool) and line > 0:
+            where += f"line={line},"
         lines.append(f"::error {where}title={_property(title)}::{_data(message)}")
     if len(failed) > limit:
         lines.append(

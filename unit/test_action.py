@@ -152,8 +152,10 @@ def test_the_steps_run_the_tests_write_the_summary_annotate_upload_and_print_the
     assert repro in run.summary
     summary_step = run.step("Job summary, memory chart and annotations")
     errors = [line for line in summary_step.output.splitlines() if line.startswith("::error")]
+    # line=: the test function's line, counted in the file as written above.
+    line = (project / "tests" / "test_plain.py").read_text().splitlines().index("def test_fails():") + 1
     assert errors == [
-        "::error file=tests/test_plain.py,title=tests/test_plain.py%3A%3Atest_fails%3A error::"
+        f"::error file=tests/test_plain.py,line={line},title=tests/test_plain.py%3A%3Atest_fails%3A error::"
         "AssertionError: one is not two"
     ], summary_step.output
     # A plain skip says nothing of the kit's skip policy, in the log or the summary.

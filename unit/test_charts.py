@@ -193,3 +193,124 @@ def test_a_malformed_report_is_one_line_exit_2_never_a_traceback(
     )
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+
+
+# ---- each rank, over time, and metric series against golden values ------------------------------
+
+
+def ranked(
+    nodeid: str, peaks: list[int], budget: int | None, memory: list[dict] | None = None
+) -> dict[str, Any]:
+    """A version-4 row: per-rank peaks, and one launch with each rank's memory over time."""
+    return row(
+        nodeid,
+        len(peaks),
+        max(peaks),
+        budget,
+        ranks=[{"rank": r, "peak_host_bytes": p} for r, p in enumerate(peaks)],
+        launches=[{"world_size": len(peaks), "backend": "gloo", "seed": 1, "memory": memory}],
+    )
+
+
+def test_the_rank_chart_has_a_bar_per_rank_for_tests_with_and_without_a_budget() -> None:
+    from megatron_testkit.charts import mermaid_ranks
+
+    report = {
+        "tests": [
+            ranked("t.py::test_a", [100 * MiB, 300 * MiB], 512 * MiB),
+            ranked("t.py::test_b", [50 * MiB, 60 * MiB], None),
+        ]
+    }
+    lines = mermaid_ranks(report, "host").splitlines()
+    assert lines[2] == '    title "Peak host RSS of each rank, MiB"'
+    assert lines[3] == '    x-axis ["test_a r0", "test_a r1", "test_b r0", "test_b r1"]'
+    assert lines[5] == "    bar [100, 300, 50, 60]"
+    assert not any(line.strip().startswith("line") for line in lines)  # no budget line to leave gaps in
+    assert mermaid_ranks(report, "device") is None  # nothing measured on the device
+
+
+def test_a_summary_of_a_hundred_tests_stays_readable(tmp_path: Path) -> None:
+    # 100 two-rank tests with budgets: test_i peaks at i MiB per rank against a 200 MiB budget.
+    tests = [ranked(f"t.py::test_{i}", [i * MiB, i * MiB], 200 * MiB) for i in range(1, 101)]
+    path = tmp_path / "kit-report.json"
+    path.write_text(json.dumps({"version": 4, "session": {}, "tests": tests}))
+    text = memory_charts_markdown(path)
+    axes = [line for line in text.splitlines() if line.startswith("    x-axis [")]
+    assert [axis.count('", "') + 1 for axis in axes] == [30, 40]  # the budget chart, the ranks' chart
+    # The budget chart keeps the 30 closest to their budget (test_71 .. test_100), in order.
+    assert axes[0].startswith('    x-axis ["test_71", "test_72"') and axes[0].endswith('"test_100"]')
+    assert "70 more rank test(s) with a host budget, further under it: in the table." in text
+    assert axes[1].startswith('    x-axis ["test_81 r0", "test_81 r1"')  # the 20 largest tests, 2 ranks each
+    assert "80 more rank test(s) with smaller peaks" in text
+
+
+def test_memory_over_time_draws_a_line_per_rank_and_a_budget_only_where_one_is_declared() -> None:
+    from megatron_testkit.charts import mermaid_over_time, on_grid
+
+    memory = [
+        {"rank": 0, "t_s": [0.0, 1.0, 2.0, 3.0], "rss_bytes": [100 * MiB, 200 * MiB, 200 * MiB, 100 * MiB]},
+        {"rank": 1, "t_s": [0.0, 1.0, 2.0, 3.0], "rss_bytes": [100 * MiB, 400 * MiB, 100 * MiB, 100 * MiB]},
+    ]
+    without = mermaid_over_time({"tests": [ranked("t.py::test_a", [200 * MiB, 400 * MiB], None, memory)]})
+    assert [
+        line.split(" [")[0].strip() for line in without.splitlines() if line.strip().startswith("line")
+    ] == [
+        "line",
+        "line",
+    ]  # rank 0, rank 1: no budget line
+    assert 'x-axis "seconds from spawn" 0 --> 3.0' in without
+    budgeted = mermaid_over_time(
+        {"tests": [ranked("t.py::test_a", [200 * MiB, 400 * MiB], 512 * MiB, memory)]}
+    )
+    lines = [line for line in budgeted.splitlines() if line.strip().startswith("line")]
+    assert len(lines) == 3 and lines[-1] == "    line [" + ", ".join(["512"] * 40) + "]"
+    assert "the budget: the flat line at 512" in budgeted
+    # On the grid: each step's largest sample, carried over empty steps (by hand: 4 steps over 3 s).
+    assert on_grid([(0.0, 1), (1.0, 4), (2.0, 1), (3.0, 1)], 3.0, 4) == [1, 4, 1, 1]
+    assert on_grid([(0.0, 5), (2.9, 7)], 3.0, 6) == [5, 5, 5, 5, 5, 7]
+
+
+def test_the_png_draws_a_bar_per_rank_a_budget_only_where_declared_and_series_against_golden(
+    tmp_path: Path,
+) -> None:
+    skips.importorskip("matplotlib", "matplotlib", "the `charts` extra is not installed")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_testkit.charts import _rank_bars_panel, metric_series, rank_bars
+
+    report = {
+        "tests": [
+            ranked("tests/test_m.py::test_a", [100 * MiB, 300 * MiB], 512 * MiB),
+            ranked("tests/test_m.py::test_b", [50 * MiB, 60 * MiB, 70 * MiB], None),
+        ]
+    }
+    fig, ax = plt.subplots()
+    _rank_bars_panel(ax, "host RSS", rank_bars(report, "host"))
+    assert len(ax.patches) == 5  # a bar per rank
+    assert len(ax.collections) == 1  # one budget segment: test_b declares none
+    plt.close(fig)
+    # A recorded loss beside the golden file the project committed for it.
+    golden_dir = tmp_path / "tests" / "golden" / "test_m"
+    golden_dir.mkdir(parents=True)
+    (golden_dir / "test_a.cpu-gloo.json").write_text(
+        json.dumps({"test": "tests/test_m.py::test_a", "platform": "cpu-gloo", "made_with": {},
+                    "series": {"loss": {"compare": {"kind": "relative", "tolerance": 0.01, "why": "x"},
+                                        "values": {"1": 2.5, "2": 2.0}}}})
+    )  # fmt: skip
+    metrics = {"platform": "cpu-gloo", "series": {"loss": {"compare": {"kind": "relative", "tolerance": 0.01, "why": "x"},
+                                                           "values": {"1": 2.5, "2": 2.25}}}}  # fmt: skip
+    report["tests"][0]["metrics"] = metrics
+    (chart,) = metric_series(report, tmp_path)
+    assert (chart.name, chart.recorded, chart.golden) == (
+        "loss",
+        [(1.0, 2.5), (2.0, 2.25)],
+        [(1.0, 2.5), (2.0, 2.0)],
+    )
+    path = tmp_path / "kit-report.json"
+    path.write_text(json.dumps({"version": 4, "session": {}, "tests": report["tests"]}))
+    png = tmp_path / "kit-memory.png"
+    assert write_png(path, png, root=tmp_path) == f"memory chart: {png}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -7,6 +7,7 @@ carry; the ``kit`` dict is what the plugin attaches.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -202,7 +203,9 @@ def test_the_schema_is_the_report_contract_and_round_trips() -> None:
     # The field names written are the schema's, the same the contract (TEST_KEYS) lists.
     assert set(report["tests"][0]) == {f for f in TestEntry.__dataclass_fields__}
     assert set(report["tests"][0]) >= TEST_KEYS
-    assert report["version"] == REPORT_VERSION == 3  # 2: metrics per test; 3: launches as records, admission
+    assert (
+        report["version"] == REPORT_VERSION == 4
+    )  # 2: metrics; 3: launches as records, admission; 4: rank_logs
     parsed = Report.from_json(json.loads(json.dumps(report)))
     assert parsed.to_json() == report
     assert parsed.tests[0].failure is not None and (
@@ -215,7 +218,7 @@ def test_the_schema_is_the_report_contract_and_round_trips() -> None:
 @pytest.mark.parametrize(
     ("broken", "says"),
     [
-        ({"version": 4, "session": {}, "tests": []}, "not a version-3 kit report (version: 4)"),
+        ({"version": 5, "session": {}, "tests": []}, "not a version-4 kit report (version: 5)"),
         ({"version": 1, "session": {}, "tests": {}}, "no 'tests' list"),
         ({"version": 1, "session": [], "tests": []}, "'session' is not an object"),
         ({"version": 1, "tests": [{"outcome": "passed"}]}, "tests[0] has no 'nodeid' and 'outcome'"),
@@ -411,3 +414,51 @@ def test_the_job_summary_of_an_artifact_escapes_the_control_characters_of_its_ma
     text = job_summary(tmp_path, tmp_path)
     assert all(ch.isprintable() for line in text.splitlines() for ch in line), text
     assert "| t.py::x\\x1b]0;pwn\\x07 | failed |" in text and text.startswith("## Kit report\n\n")
+
+
+def test_time_spent_queued_for_admission_is_a_column_of_its_own_when_any_test_queued() -> None:
+    # A 14.0 s test that waited 31.2 s for admission (inside its call's 45.2 s) beside one that
+    # did not wait: each test's own time, and the wait apart.
+    def queued(nodeid: str, duration: float, wait: float | None) -> SimpleNamespace:
+        return phase(nodeid, "call", duration=duration, runs=[{**run(2, [2**20, 2**20]), "queued_s": wait}])
+
+    report = report_of(collect(queued("t.py::waited", 45.2, 31.2), queued("t.py::prompt", 3.0, 0.0)))
+    table = format_table(report).splitlines()
+    assert table[0].split() == ["test", "world", "backend", "time", "queued", "peak", "host", "peak", "device",
+                                "budget", "outcome"]  # fmt: skip
+    waited = next(line for line in table if line.startswith("t.py::waited")).split()
+    prompt = next(line for line in table if line.startswith("t.py::prompt")).split()
+    assert waited[3:5] == ["14.0s", "31.2s"] and prompt[3:5] == ["3.0s", "-"]
+    markdown = format_markdown(report)
+    assert "| test | world | backend | time | queued | peak host |" in markdown
+    assert "| t.py::waited | 2 | gloo | 14.0s | 31.2s |" in markdown
+    # Without a wait (or without admission) the table keeps its columns.
+    plain = report_of(collect(queued("t.py::prompt", 3.0, 0.0), queued("t.py::off", 2.0, None)))
+    assert "queued" not in format_table(plain).splitlines()[0]
+    assert "| test | world | backend | time | peak host |" in format_markdown(plain)
+
+
+def test_an_annotation_points_at_the_failed_tests_line(tmp_path: Path) -> None:
+    from megatron_testkit.report import write_report
+    from megatron_testkit.summary import annotations
+
+    own = phase("tests/test_x.py::test_y", "call", "failed")
+    own.location = ("tests/test_x.py", 11, "test_y")  # pytest's location: 0-based
+    own.longrepr = SimpleNamespace(reprcrash=SimpleNamespace(message="assert 1 == 2"))
+    inherited = phase("tests/test_x.py::TestB::test_z", "call", "failed")
+    inherited.location = ("tests/base.py", 3, "TestB.test_z")  # its line is in another file
+    rows = collect(own, inherited)
+    assert [row["line"] for row in rows] == [12, None]
+    write_report(report_of(rows), tmp_path)
+    lines = annotations(tmp_path)
+    assert lines[0].startswith(
+        "::error file=tests/test_x.py,line=12,title=tests/test_x.py%3A%3Atest_y%3A error::"
+    )
+    assert lines[1].startswith("::error file=tests/test_x.py,title=")  # no line known: none given
+    # A report from before the field (version 3) has no line: the annotation names the file only.
+    old = json.loads((tmp_path / "kit-report.json").read_text())
+    old["version"] = 3
+    for row in old["tests"]:
+        del row["line"], row["rank_logs"]
+    (tmp_path / "kit-report.json").write_text(json.dumps(old))
+    assert annotations(tmp_path)[0].startswith("::error file=tests/test_x.py,title=")

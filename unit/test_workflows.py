@@ -567,7 +567,7 @@ def test_help_lists_every_subcommand_and_each_has_its_own() -> None:
     for name in SUBCOMMANDS:
         own = _ci(name, "--help")
         assert own.returncode == 0, own.stderr
-        # merge-reports prints its usage line on stderr; every other command on stdout.
+        # Every command prints its usage on stdout (merge-reports once did on stderr).
         assert f"usage: python -m ci {name}" in own.stdout + own.stderr
 
 
@@ -809,3 +809,30 @@ def test_ci_test_sh_runs_the_tests_on_its_workers_and_refuses_a_bad_count(tmp_pa
     )
     assert bad.returncode == 2
     assert bad.stderr.strip() == "ci/test.sh: KIT_TEST_WORKERS='two': expected a whole number of workers >= 1"
+
+
+def _docs_block(after: str, lang: str = "yaml") -> str:
+    text = (ROOT / "docs" / "github-action.md").read_text()
+    start = text.index(f"```{lang}\n", text.index(after)) + len(f"```{lang}\n")
+    return text[start : text.index("\n```", start)] + "\n"
+
+
+def test_the_docs_actionlint_config_is_what_a_custom_runner_label_needs(tmp_path: Path) -> None:
+    # The docs' GPU caller, in a project of its own, linted as a user's CI would lint it.
+    caller = _docs_block("### A GPU caller").replace("<org>/<repo>@<ref>", "my-org/megatron-testkit@v1")
+    config = _docs_block("`.github/actionlint.yaml` in your repository")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".github" / "workflows").mkdir(parents=True)
+    (tmp_path / ".github" / "workflows" / "gpu.yml").write_text(caller)
+
+    def lint(*config_args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(ACTIONLINT), "-no-color", f"-shellcheck={shellcheck()}", *config_args],
+            capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        )  # fmt: skip
+
+    without = lint()
+    assert without.returncode == 1 and 'label "gpu-x2" is unknown' in without.stdout, without.stdout
+    (tmp_path / ".github" / "actionlint.yaml").write_text(config)
+    found = lint()  # actionlint reads .github/actionlint.yaml by itself
+    assert found.returncode == 0 and found.stdout == "", found.stdout + found.stderr
