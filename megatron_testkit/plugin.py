@@ -443,6 +443,16 @@ def _stop_signals_as_interrupt(config: pytest.Config) -> dict[int, Any]:
     return saved
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """A session that selected no test says which selection and which markers the project
+    declares, in one line (the kit's action fails the job on pytest's exit 5)."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and not _is_xdist_worker(config):
+        from megatron_testkit.empty_selection import explain
+
+        terminalreporter.write_line(explain(config), red=True)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     saved = config.stash.get(_SAVED_ROOTS, None)
     if saved is not None:

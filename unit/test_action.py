@@ -308,3 +308,37 @@ def test_an_artifact_name_with_a_control_character_or_a_path_is_refused(tmp_path
     assert len(names.output.splitlines()) == 1 and names.output.startswith("kit: artifact-name: ")
     assert not run.step("Tests with the kit report").ran and not (project / "argv.json").exists()
     assert run.returncode != 0
+
+
+def test_the_default_runs_the_projects_tests_as_its_own_configuration_selects_them(tmp_path: Path) -> None:
+    """The default was `-m L0`, this repository's tier policy: a project without that marker had
+    every test deselected, pytest's exit 5, and a red job with no hint."""
+    project, run = _hostile_run(tmp_path, {})
+    tests = run.step("Tests with the kit report")
+    assert tests.returncode == 0 and "kit: the tests exited with 0" in tests.output, tests.output
+    assert json.loads((project / "argv.json").read_text()) == [
+        "--kit-report=reports",
+        "--junitxml=reports/junit.xml",
+    ]
+    report = json.loads((project / "reports" / "kit-report.json").read_text())
+    assert [t["nodeid"] for t in report["tests"]] == ["tests/test_plain.py::test_passes"]
+    assert run.returncode == 0 and run.outputs["exit-code"] == "0"
+
+
+def test_a_selection_of_no_test_fails_with_one_line_naming_it_and_the_projects_markers(
+    tmp_path: Path,
+) -> None:
+    """`-m L0` in a project that declares other markers: exit 5, and one line that says which
+    expression selected nothing and which markers the project declares (the kit's own left out)."""
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    slow: long tests\n    nightly\n"
+    )
+    _, run = _hostile_run(tmp_path, {"pytest-args": "-m L0 tests"})
+    tests = run.step("Tests with the kit report")
+    explained = [line for line in tests.output.splitlines() if line.startswith("kit: no test selected")]
+    assert explained == [
+        "kit: no test selected (pytest exit 5) by -m 'L0'; this project declares the markers: slow, nightly"
+    ], tests.output
+    assert any(line.startswith("::error title=kit: no test selected::") for line in tests.output.splitlines())
+    assert run.returncode == 5 and run.outputs["exit-code"] == "5"
