@@ -506,6 +506,9 @@ class _Launch:
         if self.ledger is None:
             return _threads_per_rank(self.world_size)
         self.ticket = self.ledger.admit(self.admission_share(), self.world_size, self.test_id)
+        # Carried by the ranks and whatever they start: if this process dies unreaped, whoever
+        # reclaims its share finds and ends them by it (`admission.Ledger`).
+        self.env[admission.TICKET_ENV] = self.ticket.marker
         return self.ticket.threads
 
     def _spec(self, fn: Callable[..., Any], threads: int) -> dict[str, Any]:
