@@ -345,8 +345,8 @@ class Ledger:
 
     def _set_aside(self, problem: str) -> dict[str, Any]:
         """Rename an unusable ledger (one warning naming both paths) and make a new one that counts
-        the launches still running on this ledger at their ranks' current memory. Its capacity is
-        the kit's own figure from this environment (`capacity`), never one read from the file."""
+        the launches still running on this ledger at their ranks' current memory, written at once.
+        Its capacity is the kit's own figure from this environment (`capacity`), never the file's."""
         aside = None
         if self.files.lstat(LEDGER_FILE) is not None:
             name = f"{LEDGER_FILE}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
@@ -354,6 +354,7 @@ class Ledger:
         ledger = self.fresh(capacity())
         ledger["entries"] = self.running_launches()
         ledger["peak_bytes"] = sum(e["bytes"] for e in ledger["entries"])
+        self._save(ledger)  # at once: the next reader finds it, not a missing file to warn about again
         where = f"set aside as {aside}" if aside is not None else "missing"
         with warnings.catch_warnings():
             warnings.simplefilter("always", LedgerSetAside)  # a warning, never a failed launch
