@@ -240,6 +240,7 @@ def _parse_marker(value: str) -> tuple[str, int, int, str] | None:
 # Tickets released here whose write was refused, per ledger folder: left out of this process' reads
 # and writes (so its own next launch is not held), and retried until a write succeeds.
 _unreleased: dict[str, set[str]] = {}
+_unreleased_ledgers: dict[str, Ledger] = {}
 _unreleased_lock = threading.Lock()
 _retry_thread: threading.Thread | None = None
 
@@ -250,17 +251,19 @@ def _retry_releases() -> None:
     while True:
         time.sleep(_RETRY_S)
         with _unreleased_lock:
-            folders = [folder for folder, ids in _unreleased.items() if ids]
-            if not folders:
+            ledgers = [_unreleased_ledgers[folder] for folder, ids in _unreleased.items() if ids]
+            if not ledgers:
                 _retry_thread = None
                 return
-        for folder in folders:
+        for ledger in ledgers:
             with contextlib.suppress(Exception):  # still refused (or gone): tried again later
-                Ledger(folder, create=False).flush()
+                ledger.flush()
 
 
 class Ledger:
     """The session's ledger in ``folder`` (``admission.json`` and its lock file)."""
+
+    marker_env = TICKET_ENV  # the variable that carries this ledger's tickets in the ranks' environment
 
     def __init__(self, folder: str | os.PathLike[str], *, create: bool = True) -> None:
         self.files = Folder(folder, create=create, what="the admission ledger's folder")
@@ -281,6 +284,14 @@ class Ledger:
             "sessions": {},
             "peak_bytes": 0,
         }
+
+    def own_capacity(self) -> Capacity:
+        """The capacity a new ledger of this kind gets (set aside and made anew): the runner's."""
+        return capacity()
+
+    def refresh(self, ledger: dict[str, Any]) -> bool:
+        """Bring a readable ledger up to date before use (in place); whether it changed. Nothing here."""
+        return False
 
     @classmethod
     def create(cls, folder: str | os.PathLike[str], cap: Capacity) -> Ledger:
@@ -331,7 +342,7 @@ class Ledger:
         )
         ledger["entries"], ledger["waiting"], ledger["sessions"] = entries, waiting, sessions
         self._end_leftovers(dead)
-        return ledger, changed
+        return ledger, self.refresh(ledger) or changed
 
     def _end_leftovers(self, dead: list[dict[str, Any]]) -> None:
         """Kill what the ranks of dead launchers left running (helpers re-parented to init): only
@@ -339,7 +350,7 @@ class Ledger:
         launcher (pid and start) and this ledger; never a pid because the ledger names it."""
         for entry in dead:
             marker = _marker(entry["id"], entry["pid"], entry["start"], self.folder)
-            for proc in proctree.marked(TICKET_ENV, marker):
+            for proc in proctree.marked(self.marker_env, marker):
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
 
@@ -351,7 +362,7 @@ class Ledger:
         if self.files.lstat(LEDGER_FILE) is not None:
             name = f"{LEDGER_FILE}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
             aside = self.files.rename(LEDGER_FILE, name)
-        ledger = self.fresh(capacity())
+        ledger = self.fresh(self.own_capacity())
         ledger["entries"] = self.running_launches()
         ledger["peak_bytes"] = sum(e["bytes"] for e in ledger["entries"])
         self._save(ledger)  # at once: the next reader finds it, not a missing file to warn about again
@@ -373,7 +384,7 @@ class Ledger:
         for item in os.scandir("/proc"):
             if not item.name.isdigit():
                 continue
-            value = procfs.environ_value(item.name, TICKET_ENV)
+            value = procfs.environ_value(item.name, self.marker_env)
             parsed = _parse_marker(value) if value else None
             if parsed is None or parsed[3] != str(self.folder):
                 continue
@@ -514,6 +525,7 @@ class Ledger:
             pass
         with _unreleased_lock:
             _unreleased.setdefault(str(self.folder), set()).add(ticket.id)
+            _unreleased_ledgers[str(self.folder)] = self
             if _retry_thread is None:
                 _retry_thread = threading.Thread(
                     target=_retry_releases, name="kit-admission-release", daemon=True
