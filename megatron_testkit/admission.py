@@ -12,8 +12,20 @@ what is free, and otherwise waits, first come first served, the wait recorded as
   that declares none. A share larger than the whole runner can never fit: `NeverFits` at once.
 - Over-commit is impossible by construction: every read-check-write of the ledger runs under an
   exclusive ``flock`` of its lock file (`safe_write.Folder.lock`; read by the bounded reader,
-  written atomically by the one writer), and the entries of dead processes (pid and start time,
-  so a reused pid is not mistaken for its predecessor) are reclaimed by whoever reads next.
+  written atomically by the one writer), and the entries of dead processes are reclaimed by
+  whoever reads next. A process is named by its pid and its start in clock ticks after boot
+  (`procfs.start_ticks`: a reused pid has another, a clock step changes none, a zombie is dead),
+  within the boot the ledger names.
+- A dead launcher's ranks die with it; what they started (re-parented to init) carries the launch's
+  marker (``KIT_ADMISSION_TICKET``: ticket, launcher, ledger) in its own environment, and whoever
+  reclaims the entry kills the processes that carry it. The ledger is untrusted: a pid it names
+  is never signalled for being named there.
+- A release that cannot be written (a full disk) never holds the share: this process leaves the
+  ticket out of every later read and write, and retries in the background until a write succeeds.
+- The ledger is input too: one that is unreadable, too large, of another format, or with an entry
+  it cannot trust (no bytes, negative bytes) is set aside (renamed, one warning naming it), and the
+  new one counts the launches still running on this ledger (their ranks' current memory) until
+  they end, so it never over-admits.
 - Where: the xdist controller (or a lone session) makes the ledger's folder, in the session's
   log folder under ``--kit-report`` or a temporary one otherwise, and names it to every process
   it starts in ``KIT_ADMISSION_DIR``: workers, and pytest sessions a test runs inside this one,
@@ -27,10 +39,14 @@ control). Cores are shared, never waited for: a launch's ranks get the free core
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import re
+import threading
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +54,8 @@ from typing import Any
 
 import psutil
 
-from accounting.json_input import load_json
+from accounting.json_input import JsonInputError, load_json
+from megatron_testkit import procfs, proctree
 from megatron_testkit.budgets import format_size, parse_setting
 from megatron_testkit.safe_write import Folder
 
@@ -47,8 +64,10 @@ __all__ = [
     "DEFAULT_RANK_BYTES",
     "DEFAULT_RANK_MEMORY_ENV",
     "LEDGER_ENV",
+    "TICKET_ENV",
     "Capacity",
     "Ledger",
+    "LedgerSetAside",
     "NeverFits",
     "Ticket",
     "capacity",
@@ -60,6 +79,8 @@ __all__ = [
 LEDGER_ENV = "KIT_ADMISSION_DIR"
 ADMISSION_ENV = "KIT_ADMISSION"
 DEFAULT_RANK_MEMORY_ENV = "KIT_DEFAULT_RANK_MEMORY"
+# In each rank's environment (inherited by what it starts): ``<ticket>:<launcher pid>:<its start>:<ledger folder>``.
+TICKET_ENV = "KIT_ADMISSION_TICKET"
 # A rank of a test without a memory_budget: above what this repository's undeclared rank tests
 # peak at (a gloo rank with torch and a small megatron model, 250-500 MiB in the L0 report).
 DEFAULT_RANK_BYTES = 1 << 30
@@ -67,10 +88,17 @@ LEDGER_FILE = "admission.json"
 LOCK_FILE = "admission.lock"
 _MAX_LEDGER_BYTES = 1 << 20  # a ledger of live launches and waiters; anything larger is not ours
 _POLL_S = 0.1
+_RETRY_S = 1.0  # how often a release that could not be written is tried again
+LEDGER_VERSION = 2  # 2: processes named by start ticks after boot, within the ledger's boot id
+_ID = re.compile(r"[0-9A-Za-z_.-]{1,64}")  # ticket ids: uuid4 hex; never a ':' (the marker's separator)
 
 
 class NeverFits(ValueError):
     """A launch whose ranks' budgets exceed the runner's whole memory: it could only wait forever."""
+
+
+class LedgerSetAside(UserWarning):
+    """A ledger the kit could not use was renamed and a new one made in its place."""
 
 
 @dataclass(frozen=True)
@@ -136,28 +164,134 @@ class Ticket:
     threads: int
     queued_s: float
     admitted_total: int  # every admitted launch's bytes, this one's included, when it was admitted
+    marker: str = ""  # TICKET_ENV's value for the launch's ranks
 
 
-def _identity(pid: int | None = None) -> tuple[int, float]:
-    """A process as the ledger names it: pid and start time (a reused pid has another)."""
-    proc = psutil.Process(pid)
-    return proc.pid, round(proc.create_time(), 2)
+def _identity(pid: int | None = None) -> tuple[int, int]:
+    """A process as the ledger names it: pid and start in clock ticks after boot (a reused pid has
+    another); ValueError when it is gone or a zombie."""
+    pid = os.getpid() if pid is None else pid
+    start = procfs.start_ticks(pid)
+    if start is None:
+        raise ValueError(f"process {pid} is gone")
+    return pid, start
 
 
 def _alive(item: Mapping[str, Any]) -> bool:
-    try:
-        return _identity(int(item["pid"])) == (int(item["pid"]), float(item["ctime"]))
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
+    return procfs.start_ticks(item["pid"]) == item["start"]
+
+
+def _count(value: Any, *, positive: bool = False) -> bool:
+    """A JSON integer (never a bool) that is not negative (or, with ``positive``, above 0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= (1 if positive else 0)
+
+
+def _process_problem(item: Any) -> str | None:
+    """Why a ledger item (entry, waiter, session) cannot be trusted; None when it can."""
+    if not isinstance(item, dict):
+        return "is not an object"
+    if not isinstance(item.get("id"), str) or not _ID.fullmatch(item["id"]):
+        return "has no valid 'id'"
+    if not _count(item.get("pid"), positive=True) or not _count(item.get("start")):
+        return "names no process ('pid', 'start')"
+    if not _count(item.get("bytes", 0)) or not _count(item.get("cores", 0)):
+        return "has negative or non-integer 'bytes' or 'cores'"
+    return None
+
+
+def _ledger_problem(ledger: Any) -> str | None:
+    """Why a ledger's content cannot be used; None when it can. An entry without bytes or with
+    negative bytes is never trusted: counted as nothing, it would let launches over-commit."""
+    if not isinstance(ledger, dict):
+        return "not an object"
+    if ledger.get("version") != LEDGER_VERSION:
+        return f"format {ledger.get('version')!r}, not {LEDGER_VERSION}"
+    for key, check in (("limit_bytes", _count), ("cores", _count), ("peak_bytes", _count)):
+        if not check(ledger.get(key), positive=key != "peak_bytes"):
+            return f"field {key!r} is missing or not a count"
+    for key, kind in (("boot_id", str), ("entries", list), ("waiting", list), ("sessions", dict)):
+        if not isinstance(ledger.get(key), kind):
+            return f"field {key!r} is missing or not {kind.__name__}"
+    for key in ("entries", "waiting"):
+        for i, item in enumerate(ledger[key]):
+            if key == "entries" and not (isinstance(item, dict) and _count(item.get("bytes"))):
+                return f"{key}[{i}] has no 'bytes' or negative 'bytes'"
+            problem = _process_problem(item)
+            if problem:
+                return f"{key}[{i}] {problem}"
+    for name, session in ledger["sessions"].items():
+        problem = _process_problem({**session, "id": "s"}) if isinstance(session, dict) else "not an object"
+        if problem or not _count(session.get("peak_bytes", 0)):
+            return f"sessions[{name!r}] {problem or 'has a negative peak'}"
+    return None
+
+
+def _marker(ticket_id: str, pid: int, start: int, folder: Path) -> str:
+    return f"{ticket_id}:{pid}:{start}:{folder}"
+
+
+def _parse_marker(value: str) -> tuple[str, int, int, str] | None:
+    parts = value.split(":", 3)
+    if len(parts) != 4 or not _ID.fullmatch(parts[0]) or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return parts[0], int(parts[1]), int(parts[2]), parts[3]
+
+
+# Tickets released here whose write was refused, per ledger folder: left out of this process' reads
+# and writes (so its own next launch is not held), and retried until a write succeeds.
+_unreleased: dict[str, set[str]] = {}
+_unreleased_ledgers: dict[str, Ledger] = {}
+_unreleased_lock = threading.Lock()
+_retry_thread: threading.Thread | None = None
+
+
+def _retry_releases() -> None:
+    """Rewrite each ledger that still holds a ticket released here, every `_RETRY_S`, until none does."""
+    global _retry_thread
+    while True:
+        time.sleep(_RETRY_S)
+        with _unreleased_lock:
+            ledgers = [_unreleased_ledgers[folder] for folder, ids in _unreleased.items() if ids]
+            if not ledgers:
+                _retry_thread = None
+                return
+        for ledger in ledgers:
+            with contextlib.suppress(Exception):  # still refused (or gone): tried again later
+                ledger.flush()
 
 
 class Ledger:
     """The session's ledger in ``folder`` (``admission.json`` and its lock file)."""
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
-        self.files = Folder(folder, what="the admission ledger's folder")
+    marker_env = TICKET_ENV  # the variable that carries this ledger's tickets in the ranks' environment
+
+    def __init__(self, folder: str | os.PathLike[str], *, create: bool = True) -> None:
+        self.files = Folder(folder, create=create, what="the admission ledger's folder")
         self.folder = self.files.path
         self.path = self.folder / LEDGER_FILE
+
+    @staticmethod
+    def fresh(cap: Capacity) -> dict[str, Any]:
+        """An empty ledger of ``cap`` for this boot."""
+        return {
+            "version": LEDGER_VERSION,
+            "boot_id": procfs.boot_id(),
+            "limit_bytes": cap.memory_bytes,
+            "cores": cap.cores,
+            "source": cap.source,
+            "entries": [],
+            "waiting": [],
+            "sessions": {},
+            "peak_bytes": 0,
+        }
+
+    def own_capacity(self) -> Capacity:
+        """The capacity a new ledger of this kind gets (set aside and made anew): the runner's."""
+        return capacity()
+
+    def refresh(self, ledger: dict[str, Any]) -> bool:
+        """Bring a readable ledger up to date before use (in place); whether it changed. Nothing here."""
+        return False
 
     @classmethod
     def create(cls, folder: str | os.PathLike[str], cap: Capacity) -> Ledger:
@@ -165,18 +299,7 @@ class Ledger:
         ledger = cls(folder)
         with ledger._locked():
             if not ledger.path.exists():
-                ledger._save(
-                    {
-                        "version": 1,
-                        "limit_bytes": cap.memory_bytes,
-                        "cores": cap.cores,
-                        "source": cap.source,
-                        "entries": [],
-                        "waiting": [],
-                        "sessions": {},
-                        "peak_bytes": 0,
-                    }
-                )
+                ledger._save(cls.fresh(cap))
         return ledger
 
     # -- the file, under its lock -------------------------------------------------------------------
@@ -186,23 +309,113 @@ class Ledger:
             yield
 
     def _load(self) -> dict[str, Any]:
-        ledger = load_json(self.path, limit=_MAX_LEDGER_BYTES, what="admission ledger", max_depth=8)
-        if not isinstance(ledger, dict):
-            raise ValueError(f"admission ledger {self.path} is not an object")
-        for key, kind in (("limit_bytes", int), ("cores", int), ("entries", list), ("waiting", list)):
-            if not isinstance(ledger.get(key), kind):
-                raise ValueError(
-                    f"admission ledger {self.path}: field {key!r} is missing or not {kind.__name__}"
-                )
-        ledger.setdefault("sessions", {})
-        ledger.setdefault("peak_bytes", 0)
-        # Reclaim what dead processes held or waited for (a worker killed mid-launch).
-        ledger["entries"] = [e for e in ledger["entries"] if _alive(e)]
-        ledger["waiting"] = [w for w in ledger["waiting"] if _alive(w)]
+        return self._read()[0]
+
+    def _read(self) -> tuple[dict[str, Any], bool]:
+        """The ledger without what dead processes held or waited for and without the tickets released
+        here whose write was refused; and whether that differs from the file (so it is worth writing).
+        A ledger that cannot be used is set aside and replaced (`_set_aside`)."""
+        try:
+            ledger = load_json(self.path, limit=_MAX_LEDGER_BYTES, what="admission ledger", max_depth=8)
+            problem = _ledger_problem(ledger)
+        except JsonInputError as exc:  # unreadable, over its size cap, not JSON
+            ledger, problem = None, str(exc)
+        else:
+            problem = problem and f"admission ledger {self.path}: {problem}"
+        if problem is not None:
+            return self._set_aside(problem), True
+        changed = False
+        if ledger["boot_id"] != procfs.boot_id():  # written before a reboot: no process of it lives
+            ledger["entries"], ledger["waiting"], ledger["sessions"] = [], [], {}
+            ledger["boot_id"], changed = procfs.boot_id(), True
+        with _unreleased_lock:
+            released = _unreleased.get(str(self.folder), set())
+            released &= {e["id"] for e in ledger["entries"]}  # written out by now: forgotten
+        dead = [e for e in ledger["entries"] if e["id"] not in released and not _alive(e)]
+        entries = [e for e in ledger["entries"] if e["id"] not in released and _alive(e)]
+        waiting = [w for w in ledger["waiting"] if _alive(w)]
+        sessions = {k: v for k, v in ledger["sessions"].items() if _alive(v)}
+        changed = changed or (len(entries), len(waiting), len(sessions)) != (
+            len(ledger["entries"]),
+            len(ledger["waiting"]),
+            len(ledger["sessions"]),
+        )
+        ledger["entries"], ledger["waiting"], ledger["sessions"] = entries, waiting, sessions
+        self._end_leftovers(dead)
+        return ledger, self.refresh(ledger) or changed
+
+    def _end_leftovers(self, dead: list[dict[str, Any]]) -> None:
+        """Kill what the ranks of dead launchers left running (helpers re-parented to init): only
+        processes whose own environment carries such a launch's marker, which names the dead
+        launcher (pid and start) and this ledger; never a pid because the ledger names it."""
+        for entry in dead:
+            marker = _marker(entry["id"], entry["pid"], entry["start"], self.folder)
+            for proc in proctree.marked(self.marker_env, marker):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+
+    def _set_aside(self, problem: str) -> dict[str, Any]:
+        """Rename an unusable ledger (one warning naming both paths) and make a new one that counts
+        the launches still running on this ledger at their ranks' current memory, written at once.
+        Its capacity is the kit's own figure from this environment (`capacity`), never the file's."""
+        aside = None
+        if self.files.lstat(LEDGER_FILE) is not None:
+            name = f"{LEDGER_FILE}.set-aside-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+            aside = self.files.rename(LEDGER_FILE, name)
+        ledger = self.fresh(self.own_capacity())
+        ledger["entries"] = self.running_launches()
+        ledger["peak_bytes"] = sum(e["bytes"] for e in ledger["entries"])
+        self._save(ledger)  # at once: the next reader finds it, not a missing file to warn about again
+        where = f"set aside as {aside}" if aside is not None else "missing"
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", LedgerSetAside)  # a warning, never a failed launch
+            warnings.warn(
+                f"{problem}: {where}; the new ledger counts the {len(ledger['entries'])} launch(es) "
+                "still running on it at their ranks' current memory until they end",
+                LedgerSetAside,
+                stacklevel=3,
+            )
         return ledger
+
+    def running_launches(self) -> list[dict[str, Any]]:
+        """Entries for the launches on this ledger whose launcher still runs, found by the marker in
+        their ranks' (and helpers') own environment: their resident memory now, summed."""
+        held: dict[tuple[str, int, int], int] = {}
+        for item in os.scandir("/proc"):
+            if not item.name.isdigit():
+                continue
+            value = procfs.environ_value(item.name, self.marker_env)
+            parsed = _parse_marker(value) if value else None
+            if parsed is None or parsed[3] != str(self.folder):
+                continue
+            ticket_id, pid, start, _ = parsed
+            if procfs.start_ticks(pid) != start:
+                continue
+            key = (ticket_id, pid, start)
+            held[key] = held.get(key, 0) + (procfs.rss_bytes(item.name) or 0)
+        return [
+            {
+                "id": ticket_id,
+                "pid": pid,
+                "start": start,
+                "bytes": size,
+                "cores": 0,
+                "label": "a launch running when the ledger was set aside (its ranks' memory then)",
+                "since": time.time(),
+            }
+            for (ticket_id, pid, start), size in held.items()
+        ]
 
     def _save(self, ledger: dict[str, Any]) -> None:
         self.files.write_text(LEDGER_FILE, json.dumps(ledger))
+
+    def flush(self) -> None:
+        """Write the ledger back if reading it dropped something (dead processes' entries, tickets
+        released here whose write was refused)."""
+        with self._locked():
+            ledger, changed = self._read()
+            if changed:
+                self._save(ledger)
 
     # -- reading -----------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -213,11 +426,11 @@ class Ledger:
     # -- sessions ----------------------------------------------------------------------------------
     def join_session(self, session_id: str) -> None:
         """Register a session, whose peak of admitted memory is tracked from now on."""
-        pid, ctime = _identity()
+        pid, start = _identity()
         with self._locked():
             ledger = self._load()
             total = sum(e["bytes"] for e in ledger["entries"])
-            ledger["sessions"][session_id] = {"pid": pid, "ctime": ctime, "peak_bytes": total}
+            ledger["sessions"][session_id] = {"pid": pid, "start": start, "peak_bytes": total}
             self._save(ledger)
 
     def leave_session(self, session_id: str) -> dict[str, Any]:
@@ -253,20 +466,20 @@ class Ledger:
     def admit(self, share: int, world_size: int, label: str, *, poll_s: float = _POLL_S) -> Ticket:
         """Wait until ``share`` bytes fit beside every admitted launch (first come, first served),
         then record it; `NeverFits` at once for a share above the runner's memory."""
-        pid, ctime = _identity()
-        me = {"id": uuid.uuid4().hex, "pid": pid, "ctime": ctime, "bytes": share, "label": label}
+        pid, start = _identity()
+        me = {"id": uuid.uuid4().hex, "pid": pid, "start": start, "bytes": share, "label": label}
         started = time.monotonic()
         try:
             while True:
                 with self._locked():
-                    ledger = self._load()
+                    ledger, changed = self._read()
                     self._refuse(ledger, share, world_size, label)
                     before = json.dumps(ledger)
                     ticket = self._try_admit(ledger, me, world_size, time.monotonic() - started)
-                    if json.dumps(ledger) != before:  # queued or admitted: else nothing to write
+                    if changed or json.dumps(ledger) != before:  # else nothing to write
                         self._save(ledger)
                 if ticket is not None:
-                    return ticket
+                    return dataclasses.replace(ticket, marker=_marker(ticket.id, pid, start, self.folder))
                 time.sleep(poll_s)
         except BaseException:
             with contextlib.suppress(Exception), self._locked():
@@ -298,11 +511,26 @@ class Ledger:
         return Ticket(me["id"], me["bytes"], cores, threads, round(waited, 3), total)
 
     def release(self, ticket: Ticket) -> None:
-        """The launch ended: its share is free again."""
-        with self._locked():
-            ledger = self._load()
-            ledger["entries"] = [e for e in ledger["entries"] if e["id"] != ticket.id]
-            self._save(ledger)
+        """The launch ended: its share is free again. A release that cannot be written (a full disk)
+        never holds the share: this process leaves the ticket out from now on and retries the write
+        in the background until one succeeds; nothing is raised."""
+        global _retry_thread
+        try:
+            with self._locked():
+                ledger = self._load()
+                ledger["entries"] = [e for e in ledger["entries"] if e["id"] != ticket.id]
+                self._save(ledger)
+            return
+        except (OSError, ValueError):  # WriteRefused (a full disk), a lock that stayed taken
+            pass
+        with _unreleased_lock:
+            _unreleased.setdefault(str(self.folder), set()).add(ticket.id)
+            _unreleased_ledgers[str(self.folder)] = self
+            if _retry_thread is None:
+                _retry_thread = threading.Thread(
+                    target=_retry_releases, name="kit-admission-release", daemon=True
+                )
+                _retry_thread.start()
 
 
 def session_ledger(environ: Mapping[str, str] | None = None) -> Ledger | None:

@@ -50,7 +50,7 @@ from typing import Any
 import psutil
 import pytest
 
-from megatron_testkit import admission, attribution, golden_plugin, skips, stall
+from megatron_testkit import admission, attribution, golden_plugin, machine_ledger, skips, stall
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
 from megatron_testkit.report import ReportCollector, build_report, format_table, plural, write_report
@@ -78,6 +78,7 @@ _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
 _SAVED_ROOTS = pytest.StashKey[tuple]()
 _WORKER_LOG_ROOT = "kit_log_root"  # this session's log folder, handed to xdist workers
 _WORKER_LEDGER = "kit_admission_dir"  # this session's admission ledger, handed to xdist workers
+_WORKER_MACHINE_LEDGER = "kit_machine_ledger"  # and the machine's, when the session is top-level
 _SAVED_SIGNALS = pytest.StashKey[dict]()
 
 
@@ -129,6 +130,11 @@ class _KitSession:
         self.written: Any = None  # the ReportFiles written, or the one-line reason they were not
         self.interrupted_by = "interrupted"
         self.session_id = uuid.uuid4().hex
+        self.saved_machine_env = {
+            name: os.environ.get(name)
+            for name in (machine_ledger.MACHINE_LEDGER_ENV, machine_ledger.OUTER_SESSION_ENV)
+        }
+        self.machine: machine_ledger.MachineLedger | None = None
         try:
             self.ledger, self.own_ledger_dir, self.saved_ledger_env = self.open_ledger()
             if self.ledger is not None:
@@ -137,6 +143,11 @@ class _KitSession:
             if hasattr(self, "own_ledger_dir"):
                 self.close_ledger()  # made, then refused on joining: nothing is left behind
             raise pytest.UsageError(f"kit admission ledger: {exc}") from None
+        try:
+            self.open_machine_ledger()
+        except WriteRefused as exc:
+            self.close_ledger()
+            raise pytest.UsageError(f"kit machine admission ledger: {exc}") from None
 
     def open_ledger(self) -> tuple[admission.Ledger | None, Path | None, str | None]:
         """The session's admission ledger: an enclosing session's (named in KIT_ADMISSION_DIR), else a
@@ -144,9 +155,11 @@ class _KitSession:
         from here on. Returns it, the folder this session made (removed at the end, if temporary)
         and the variable's previous value."""
         saved = os.environ.get(admission.LEDGER_ENV)
+        self.joined_ledger = False
         if not admission.enabled():
             return None, None, saved
         joined = admission.session_ledger()
+        self.joined_ledger = joined is not None
         if joined is not None:
             return joined, None, saved
         if self.logs is not None:
@@ -163,8 +176,28 @@ class _KitSession:
         os.environ[admission.LEDGER_ENV] = str(folder)
         return ledger, made, saved
 
+    def open_machine_ledger(self) -> None:
+        """A session that made its own ledger: when it is top-level, it joins the machine's ledger
+        too (`megatron_testkit.machine_ledger`) and names it, and itself as the top-level session,
+        to every process it starts; when it is nested, its launches keep to its private ledger."""
+        top_level = machine_ledger.is_top_level()
+        if top_level:  # named whether or not it admits: sessions below it know they are nested
+            os.environ[machine_ledger.OUTER_SESSION_ENV] = machine_ledger.session_marker()
+        if self.ledger is None or self.joined_ledger:
+            return  # no admission, or it joined an enclosing session's ledger (and its machine's)
+        self.machine = machine_ledger.open_for_session() if top_level else None
+        if self.machine is not None:
+            os.environ[machine_ledger.MACHINE_LEDGER_ENV] = str(self.machine.folder)
+        else:
+            os.environ.pop(machine_ledger.MACHINE_LEDGER_ENV, None)  # nested: private only
+
     def close_ledger(self) -> None:
         """Put KIT_ADMISSION_DIR back (a pytester session runs inside another) and remove a temporary ledger."""
+        for name, value in self.saved_machine_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if self.saved_ledger_env is None:
             os.environ.pop(admission.LEDGER_ENV, None)
         else:
@@ -195,6 +228,9 @@ class _KitSession:
             node.workerinput[_WORKER_LOG_ROOT] = str(self.logs.path)
         if self.ledger is not None:
             node.workerinput[_WORKER_LEDGER] = str(self.ledger.folder)
+        machine = os.environ.get(machine_ledger.MACHINE_LEDGER_ENV)
+        if machine:
+            node.workerinput[_WORKER_MACHINE_LEDGER] = machine
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         self.interrupted_by = f"interrupted ({excinfo.exconly().strip()})"
@@ -342,6 +378,9 @@ def pytest_configure(config: pytest.Config) -> None:
         ledger = config.workerinput.get(_WORKER_LEDGER)  # type: ignore[attr-defined]
         if ledger:
             os.environ[admission.LEDGER_ENV] = ledger
+        machine = config.workerinput.get(_WORKER_MACHINE_LEDGER)  # type: ignore[attr-defined]
+        if machine:
+            os.environ[machine_ledger.MACHINE_LEDGER_ENV] = machine
     else:
         kit_session = _KitSession(config)
         config.pluginmanager.register(kit_session, "kit-session-report")
@@ -378,6 +417,8 @@ def _check_kit_environment() -> None:
         _check_rank_cgroup,
         admission.enabled,
         admission.default_rank_bytes,
+        machine_ledger.enabled,
+        machine_ledger.memory_setting,
         stall.default_window,
     )
     for check in checks:

@@ -142,3 +142,45 @@ def cpu_seconds(pid: int | str = "self", tid: int | None = None) -> float | None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def start_ticks(pid: int | str = "self") -> int | None:
+    """When a live process started, in clock ticks after boot (/proc/<pid>/stat field 22); None when
+    it is gone or a zombie (it has exited; only its exit status waits to be collected).
+
+    A process' identity beside its pid: a reused pid has another start. Boot-relative, unlike
+    psutil's ``create_time()``, which adds a boot time re-derived from the wall clock on each call,
+    so a clock step (NTP on a fresh VM, a resumed VM) would make every process look new.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+        # The command name (field 2) is in parentheses and may hold spaces: split after it.
+        fields = text[text.rindex(")") + 2 :].split()
+        state, start = fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if state in ("Z", "X", "x") else start
+
+
+def boot_id() -> str:
+    """This boot's id (/proc/sys/kernel/random/boot_id; '' where there is none): start times in
+    clock ticks after boot name a process within one boot only."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def environ_value(pid: int | str, name: str) -> str | None:
+    """The value of ``name`` in a process' own environment (None when unset, unreadable or gone)."""
+    prefix = f"{name}=".encode()
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(prefix):
+                    return item[len(prefix) :].decode(errors="replace")
+    except OSError:
+        return None
+    return None

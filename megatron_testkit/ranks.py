@@ -40,6 +40,7 @@ from megatron_testkit import (
     attribution,
     devices,
     flight_recorder,
+    machine_ledger,
     procfs,
     proctree,
     rank_log,
@@ -261,6 +262,7 @@ def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, 
         "LOCAL_RANK",
         "GROUP_RANK",
         admission.LEDGER_ENV,
+        machine_ledger.MACHINE_LEDGER_ENV,
     ):
         child.pop(key, None)
     child.update(
@@ -459,6 +461,8 @@ class _Launch:
         self.gpu_test = context.gpu if context is not None else None
         self.backend = choose_backend(backend, world_size, self.gpu_test)
         self.ledger = admission.session_ledger()
+        # A top-level session's launches also go through the machine's ledger (one per user and boot).
+        self.machine = machine_ledger.launch_ledger() if self.ledger is not None else None
         if self.ledger is not None:  # refused before anything is made: it could only wait forever
             self.ledger.refuse_never_fits(self.admission_share(), world_size, self.test_id)
         # The process group times out before the launch does, so NCCL's watchdog writes its flight
@@ -496,6 +500,7 @@ class _Launch:
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
         self.ticket: admission.Ticket | None = None
+        self.machine_ticket: admission.Ticket | None = None
         self.last_dump_request = 0.0
         self.stall_verdict: stall.Stall | None = None
         self.subreaper = False  # this process adopts orphans from `start` to `close`
@@ -514,7 +519,22 @@ class _Launch:
         if self.ledger is None:
             return _threads_per_rank(self.world_size)
         self.ticket = self.ledger.admit(self.admission_share(), self.world_size, self.test_id)
+        # Carried by the ranks and whatever they start: if this process dies unreaped, whoever
+        # reclaims its share finds and ends them by it (`admission.Ledger`).
+        self.env[admission.TICKET_ENV] = self.ticket.marker
+        if self.machine is not None:  # second, always: no two launches wait for each other in turn
+            self.machine_ticket = self.machine.admit_within(
+                self.admission_share(), self.world_size, self.test_id
+            )
+            self.env[machine_ledger.MACHINE_TICKET_ENV] = self.machine_ticket.marker
         return self.ticket.threads
+
+    def queued_s(self) -> float | None:
+        """Seconds the launch waited for admission: its session's ledger, then the machine's."""
+        if self.ticket is None:
+            return None
+        machine = self.machine_ticket.queued_s if self.machine_ticket is not None else 0.0
+        return round(self.ticket.queued_s + machine, 3)
 
     def _spec(self, fn: Callable[..., Any], threads: int) -> dict[str, Any]:
         """What every rank reads at start (``rank_worker.run``)."""
@@ -846,6 +866,8 @@ class _Launch:
                 r.log.close()
             if self.ticket is not None and self.ledger is not None:
                 self.ledger.release(self.ticket)
+            if self.machine_ticket is not None and self.machine is not None:
+                self.machine.release(self.machine_ticket)
         return leaked
 
     def setup_s(self, records: list[RankRecord]) -> float | None:
@@ -873,7 +895,7 @@ class _Launch:
                 leaked_processes=leaked,
                 device=next((r.extra["device"] for r in records if r.extra.get("device")), None),
                 platform=next((r.extra["platform"] for r in records if r.extra.get("platform")), None),
-                queued_s=self.ticket.queued_s if self.ticket is not None else None,
+                queued_s=self.queued_s(),
                 admitted_bytes=self.ticket.bytes if self.ticket is not None else None,
                 setup_s=self.setup_s(records),
             )

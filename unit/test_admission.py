@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -118,15 +119,15 @@ def test_a_dead_process_entry_and_a_reused_pid_are_reclaimed(tmp_path: Path) -> 
     ledger = ledger_of(tmp_path)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        pid, ctime = admission._identity(child.pid)
+        pid, start = admission._identity(child.pid)
         data = json.loads(ledger.path.read_text())
         data["entries"] = [
-            {"id": "dead", "pid": pid, "ctime": ctime, "bytes": 600 * MiB, "label": "t::killed"},
+            {"id": "dead", "pid": pid, "start": start, "bytes": 600 * MiB, "label": "t::killed"},
             # A live pid (this process) with another start time: the process that made it is gone.
             {
                 "id": "reused",
                 "pid": admission._identity()[0],
-                "ctime": 1.0,
+                "start": 1,
                 "bytes": 300 * MiB,
                 "label": "t::old",
             },
@@ -223,3 +224,152 @@ def test_run_ranks_refuses_a_launch_that_can_never_fit_before_making_anything(
         run_ranks(_never_called, 2, budget=MemoryBudget.parse(host="600MiB"))
     assert not (tmp_path / "scratch").exists()  # no launch directory was made
     assert len(attribution.current().runs) == runs_before  # and no launch recorded
+
+
+def _admitting_child(folder: Path, share: int, then: str = "time.sleep(120)") -> subprocess.Popen:
+    """A real process that admits ``share`` into the ledger, prints 'admitted', then runs ``then``."""
+    code = (
+        "import resource, signal, sys, time\n"
+        "from megatron_testkit.admission import Ledger\n"
+        f"ledger = Ledger({str(folder)!r})\n"
+        f"ticket = ledger.admit({share}, 1, 'child')\n"
+        "print('admitted', flush=True)\n"
+        f"{then}\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline() == "admitted\n"
+    return child
+
+
+def _state(pid: int) -> str:
+    """A process' state letter from /proc/<pid>/stat (the test's own reading, not the kit's)."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2 :].split()[0]
+
+
+def test_a_holder_killed_and_never_reaped_is_dead_and_its_share_is_free(tmp_path: Path) -> None:
+    # xdist's controller leaves a worker killed with -9 (the OOM killer's signal) as a zombie: its
+    # pid and start time still read, but it holds nothing.
+    ledger = ledger_of(tmp_path)
+    child = _admitting_child(ledger.folder, 900 * MiB)
+    try:
+        child.kill()  # SIGKILL, and no wait(): it stays a zombie of this process
+        deadline = time.monotonic() + 10
+        while _state(child.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _state(child.pid) == "Z"
+        assert ledger.snapshot()["entries"] == []
+        ticket = ledger.admit(900 * MiB, 1, "t::next", poll_s=0.02)  # at once: it no longer waits
+        assert ticket.queued_s < 1.0
+        assert _state(child.pid) == "Z"  # still unreaped when it was admitted
+    finally:
+        child.wait()
+
+
+def test_a_wall_clock_step_leaves_live_holders_alive(tmp_path: Path, monkeypatch) -> None:
+    # Stepping the clock needs root (CAP_SYS_TIME), so the step is simulated where psutil sees it:
+    # its create_time() adds a boot time re-derived from the wall clock (btime in /proc/stat) on
+    # each call, and a clock step moves that figure by the step. The ledger must not read it.
+    import psutil._pslinux
+
+    ledger = ledger_of(tmp_path)
+    child = _admitting_child(ledger.folder, 600 * MiB)
+    try:
+        held = ledger.admit(300 * MiB, 1, "t::mine")
+        real_boot_time = psutil._pslinux.boot_time
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: real_boot_time() + 3600.0)
+        assert psutil.Process(child.pid).create_time() > time.time() + 3000  # the step as psutil sees it
+        assert len(ledger.snapshot()["entries"]) == 2  # both holders still count
+        got: list[admission.Ticket] = []
+        waiter = threading.Thread(target=lambda: got.append(ledger.admit(400 * MiB, 1, "t::w", poll_s=0.02)))
+        waiter.daemon = True
+        waiter.start()
+        waiter.join(timeout=0.5)
+        assert got == []  # 600 + 300 + 400 > 1000: it waits
+        ledger.release(held)
+        waiter.join(timeout=10)
+        assert got and got[0].admitted_total == 1000 * MiB
+    finally:
+        child.kill()
+        child.wait()
+
+
+RELEASE_ON_A_FULL_DISK = """
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, as ENOSPC would
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))  # the disk is full: no ledger can be written
+ledger.release(ticket)
+print('released', len(ledger.snapshot()['entries']), flush=True)
+time.sleep(1.5)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # the disk has room again
+print('room', flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_release_that_cannot_be_written_never_holds_the_share(tmp_path: Path) -> None:
+    # The full disk is real: the file-size limit makes the kernel refuse the ledger's rewrite.
+    ledger = ledger_of(tmp_path)
+    child = _admitting_child(ledger.folder, 900 * MiB, then=RELEASE_ON_A_FULL_DISK)
+    try:
+        assert child.stdout is not None
+        # It did not raise, and its own next launch would not count the share it released.
+        assert child.stdout.readline() == "released 0\n"
+        assert [e["label"] for e in ledger.snapshot()["entries"]] == ["child"]  # not written yet
+        assert child.stdout.readline() == "room\n"
+        deadline = time.monotonic() + 10  # retried every second in the background
+        while ledger.snapshot()["entries"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ledger.snapshot()["entries"] == []
+        assert child.poll() is None  # the holder is alive: only the retried release freed it
+        assert ledger.admit(900 * MiB, 1, "t::next").queued_s < 1.0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _forged(ledger: Ledger, how: str) -> bytes:
+    """The ledger's file made unusable in one way; its bytes."""
+    data = json.loads(ledger.path.read_text())
+    me = {"id": "forged", "pid": admission._identity()[0], "start": admission._identity()[1], "label": "x"}
+    if how == "not JSON":
+        raw = b'{"version": 2, "entries": ['
+    elif how == "over its size cap":
+        data["padding"] = "x" * (2 << 20)
+        raw = json.dumps(data).encode()
+    elif how == "another format":
+        data["version"] = 1
+        raw = json.dumps(data).encode()
+    elif how == "an entry without bytes":
+        data["entries"] = [me]
+        raw = json.dumps(data).encode()
+    else:  # an entry with negative bytes, held by a live process (this one)
+        data["entries"] = [{**me, "bytes": -900 * MiB}]
+        raw = json.dumps(data).encode()
+    ledger.path.write_bytes(raw)
+    return raw
+
+
+@pytest.mark.parametrize(
+    "how", ["not JSON", "over its size cap", "another format", "an entry without bytes", "negative bytes"]
+)
+def test_an_unusable_ledger_is_set_aside_with_one_warning_and_fails_no_launch(
+    tmp_path: Path, monkeypatch, how: str
+) -> None:
+    monkeypatch.setenv("KIT_HOST_MEMORY", "1000MiB")  # the new ledger's capacity: the kit's own figure
+    ledger = ledger_of(tmp_path)
+    raw = _forged(ledger, how)
+    with pytest.warns(admission.LedgerSetAside) as caught:
+        ticket = ledger.admit(900 * MiB, 1, "t::after")
+    assert len(caught) == 1
+    aside = list(ledger.folder.glob("admission.json.set-aside-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == raw  # renamed, never rewritten
+    assert str(aside[0]) in str(caught[0].message) and "\n" not in str(caught[0].message)
+    # Nothing of the forged entry counts: 900 MiB admitted is 900 MiB, never less.
+    assert ticket.admitted_total == 900 * MiB
+    snapshot = ledger.snapshot()
+    assert snapshot["limit_bytes"] == 1000 * MiB and [e["id"] for e in snapshot["entries"]] == [ticket.id]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning: the new ledger reads without another
+        ledger.release(ticket)
+        assert ledger.snapshot()["entries"] == []
