@@ -147,7 +147,58 @@ SETTINGS: tuple[KitSetting, ...] = (
         "the CI job's name, recorded in the report (session.ci_job) so that repro picks its row; the "
         "kit's GitHub Action sets it",
     ),
+    KitSetting(
+        "KIT_MACHINE_ADMISSION",
+        ENV,
+        "1",
+        "0 turns the machine's admission ledger off: top-level sessions on one machine then admit their "
+        "own runner's memory only, each as if alone",
+    ),
+    KitSetting(
+        "KIT_MACHINE_ADMISSION_DIR",
+        ENV,
+        "<temp dir>/megatron-testkit-<uid>",
+        "the folder of the machine's admission ledger that top-level sessions share (one per user and "
+        "boot); refused with one warning unless it is yours and only you can write it",
+        machine_path=True,
+    ),
+    KitSetting(
+        "KIT_MACHINE_MEMORY",
+        ENV,
+        "MemAvailable",
+        "the machine's memory that all top-level sessions' launches share (e.g. 20GiB); unset: "
+        "MemAvailable within the cgroup's limit, measured again whenever no launch holds any",
+    ),
     # ---- set by the kit for its own processes ----
+    KitSetting(
+        "KIT_ADMISSION_TICKET",
+        ENV,
+        "set by the kit",
+        "the launch's admission marker in each rank's environment (ticket, launcher, ledger): whoever "
+        "reclaims a dead launcher's share ends only processes that carry it",
+        internal=True,
+    ),
+    KitSetting(
+        "KIT_MACHINE_ADMISSION_TICKET",
+        ENV,
+        "set by the kit",
+        "the launch's marker in the machine's admission ledger, in each rank's environment",
+        internal=True,
+    ),
+    KitSetting(
+        "KIT_MACHINE_LEDGER",
+        ENV,
+        "set by the kit",
+        "the machine's admission ledger, named to a top-level session's xdist workers (never to ranks)",
+        internal=True,
+    ),
+    KitSetting(
+        "KIT_OUTER_SESSION",
+        ENV,
+        "set by the kit",
+        "the top-level session (pid and start ticks): a session below it keeps its private ledger",
+        internal=True,
+    ),
     KitSetting(
         "KIT_ADMISSION_DIR",
         ENV,
