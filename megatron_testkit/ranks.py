@@ -38,6 +38,7 @@ from accounting.json_input import JsonInputError, load_json
 from megatron_testkit import (
     admission,
     attribution,
+    cuda_context,
     devices,
     flight_recorder,
     procfs,
@@ -787,10 +788,13 @@ class _Launch:
     def results(self, records: list[RankRecord]) -> list[Any] | RankFailure:
         """Every rank's return value, in rank order; a `RankFailure` naming a rank that left none."""
         out = []
+        # A CUDA tensor in a result creates a CUDA context here: the kit's doing, not the test's.
+        cuda_context.observe(cuda_context.TEST, cuda_context.current_test())
         for r, rec in zip(self.ranks, records, strict=True):
             try:
                 with open(self.run_dir / f"rank{r.rank}.result", "rb") as f:
                     out.append(pickle.load(f))
+                cuda_context.observe(cuda_context.KIT, cuda_context.current_test())
             except Exception as exc:  # unpickling runs the result's own code: anything can fail
                 rec.status, rec.exc_type = "failed", type(exc).__name__
                 rec.exc_message = f"rank {r.rank} finished but its result could not be read here: {exc}"

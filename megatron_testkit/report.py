@@ -404,6 +404,11 @@ def format_markdown(report: dict[str, Any]) -> str:
             if session.get("sessions")
             else ""
         ),
+        *(
+            ["", f"CUDA context in pytest: {_md(session['cuda_context'])}"]
+            if session.get("cuda_context")
+            else []
+        ),
         "",
         "| " + " | ".join(_COLUMNS) + " |",
         "|" + "|".join("---" for _ in _COLUMNS) + "|",

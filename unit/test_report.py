@@ -202,7 +202,8 @@ def test_the_schema_is_the_report_contract_and_round_trips() -> None:
     # The field names written are the schema's, the same the contract (TEST_KEYS) lists.
     assert set(report["tests"][0]) == {f for f in TestEntry.__dataclass_fields__}
     assert set(report["tests"][0]) >= TEST_KEYS
-    assert report["version"] == REPORT_VERSION == 3  # 2: metrics per test; 3: launches as records, admission
+    # 2: metrics per test; 3: launches as records, admission; 4: the session's cuda_context
+    assert report["version"] == REPORT_VERSION == 4
     parsed = Report.from_json(json.loads(json.dumps(report)))
     assert parsed.to_json() == report
     assert parsed.tests[0].failure is not None and (
@@ -215,7 +216,7 @@ def test_the_schema_is_the_report_contract_and_round_trips() -> None:
 @pytest.mark.parametrize(
     ("broken", "says"),
     [
-        ({"version": 4, "session": {}, "tests": []}, "not a version-3 kit report (version: 4)"),
+        ({"version": 5, "session": {}, "tests": []}, "not a version-4 kit report (version: 5)"),
         ({"version": 1, "session": {}, "tests": {}}, "no 'tests' list"),
         ({"version": 1, "session": [], "tests": []}, "'session' is not an object"),
         ({"version": 1, "tests": [{"outcome": "passed"}]}, "tests[0] has no 'nodeid' and 'outcome'"),
