@@ -277,6 +277,11 @@ def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, 
             "PYTHONFAULTHANDLER": "1",
         }
     )
+    # Inductor compiles in the rank itself, not in a pool of workers: the pool's sidecar is shut
+    # down by an atexit handler, which a rank (ended by os._exit) never runs, so it outlived the
+    # rank as a leaked process. Read when torch._inductor.config is imported; the session's or the
+    # test's own setting wins.
+    child.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     child.update({k: str(v) for k, v in env.items()})
     return child
 
