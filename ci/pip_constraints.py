@@ -8,7 +8,7 @@ pin is one line: the package, the pin and the file, and what the kit needs.
 Run by ``ci/setup.sh`` with the interpreter it installs into, before the kit is installed there:
 standard library and ``packaging`` only (pip's own copy where ``packaging`` is not installed).
 
-    python ci/pip_constraints.py --constraint FILE [--constraint FILE] --extras dev,inspect [REQ ...]
+    python -m ci pip-constraints --constraint FILE [--constraint FILE] --extras dev,inspect [REQ ...]
 
 Exit 0 when nothing conflicts, 1 with one line per conflict on stderr, 2 for a usage error.
 """
@@ -20,6 +20,7 @@ import re
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 try:
     from packaging.requirements import InvalidRequirement, Requirement
@@ -36,6 +37,7 @@ except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
+PROG = "python -m ci pip-constraints"
 # The largest constraint file read (NGC's holds a few hundred lines).
 _MAX_BYTES = 4 * 2**20
 
@@ -104,8 +106,16 @@ def conflicts(requirements: Iterable[Requirement], constraint_files: Iterable[Pa
     return lines
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """A usage error in one line, exit 2 (argparse's own adds the usage first)."""
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ci/pip_constraints.py", description=__doc__.splitlines()[0])
+    """The check on the command line: exit 0 (nothing conflicts), 1 (conflicts on stderr), 2 (usage)."""
+    parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--constraint", action="append", default=[], type=Path, help="a pip constraint file")
     parser.add_argument("--extras", default="", help="the kit's extras installed, comma-separated")
     parser.add_argument("requirements", nargs="*", help="further requirements installed beside the kit")
@@ -115,12 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         wanted += [Requirement(r) for r in args.requirements]
         found = conflicts(wanted, args.constraint)
     except (OSError, ValueError) as exc:  # InvalidRequirement is a ValueError
-        print(f"ci/pip_constraints.py: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     for line in found:
         print(line, file=sys.stderr)
     return 1 if found else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

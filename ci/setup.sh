@@ -76,7 +76,7 @@ fi
 
 # The image's pip constraints (NGC pins every preinstalled package): PIP_CONSTRAINT (pip reads it
 # too), else /etc/pip/constraint.txt. Every pip install below passes them, and a pin that cannot
-# meet what the kit needs is refused in one line before pip runs (ci/pip_constraints.py).
+# meet what the kit needs is refused in one line before pip runs (python -m ci pip-constraints).
 constraints=()       # pip's arguments: -c FILE ...
 constraint_files=()  # the same files, for ci/pip_constraints.py: --constraint FILE ...
 files=()
@@ -115,7 +115,7 @@ if [ "${#constraints[@]}" -gt 0 ]; then
   # megatron-core 0.17+ declares packaging>=24.2 (and torch>=2.6, numpy, which the image has).
   needs=("megatron-core==$mcore")
   [ "$(printf '%s\n' 0.17 "$mcore" | sort -V | head -1)" = 0.17 ] && needs+=("packaging>=24.2")
-  "$py" ci/pip_constraints.py "${constraint_files[@]}" --extras "$extras" psutil "${needs[@]}" || exit 1
+  "$py" -m ci pip-constraints "${constraint_files[@]}" --extras "$extras" psutil "${needs[@]}" || exit 1
 fi
 if ! "$py" -c 'import torch' 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
