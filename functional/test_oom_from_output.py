@@ -12,9 +12,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
+from fixtures import faults
+from megatron_testkit import kernel_log, runner_limit, skips
 from megatron_testkit.ranks import RankFailure, run_ranks
 
 pytestmark = pytest.mark.L0
@@ -40,6 +43,15 @@ def print_then_die(rank: int, world_size: int, text: str, how: str) -> None:
         raise RuntimeError(text.splitlines()[-1])
     elif how == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def join_group_and_grow(rank: int, world_size: int, group: str) -> None:
+    import torch
+
+    Path(group, "cgroup.procs").write_text(str(os.getpid()))
+    held = []
+    while True:  # past the group's cap: the kernel's OOM killer SIGKILLs this rank
+        held.append(torch.ones(8 * 2**20))  # 32 MiB, touched
 
 
 def _failure(text: str, how: str) -> RankFailure:
@@ -87,3 +99,33 @@ def test_an_abort_without_an_out_of_memory_message_is_still_a_crash() -> None:
     failure = _failure("about to abort", "abort")
     assert failure.kind == "crash", str(failure)
     assert str(failure).splitlines()[0] == "rank 0 crash: killed by SIGABRT"
+
+
+def test_a_sigkill_the_kernel_logged_as_an_oom_kill_is_oom_quoting_the_log(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A real kernel OOM kill in a memory cgroup the launcher does not watch (the rank joins it by
+    # itself; no KIT_RANK_CGROUP): the kernel's log is the only evidence that it was memory.
+    available, why = faults.kernel_oom_availability()
+    if not available:
+        skips.skip("cgroup", why)
+    if not kernel_log.readable():
+        skips.skip(
+            "cgroup", "the kernel's log (/dev/kmsg) cannot be read here, so its OOM records cannot be seen"
+        )
+    monkeypatch.delenv(runner_limit.RANK_CGROUP_ENV, raising=False)
+    group = faults.CappedCgroup()
+    try:
+        with pytest.raises(RankFailure) as info:
+            run_ranks(join_group_and_grow, 1, args=(str(group.path),), timeout=60)
+        assert group.oom_kills() == 1  # the ground truth: the group's own counter saw the kill
+    finally:
+        assert group.remove()
+    failure = info.value
+    assert failure.kind == "oom", str(failure)
+    first = str(failure).splitlines()[0]
+    pid = failure.records[0].pid
+    assert first.startswith(
+        "rank 0 oom: megatron_testkit.RunnerMemoryExceeded: killed by the kernel OOM killer"
+    )
+    assert f"pid={pid}," in first or f"Killed process {pid} " in first

@@ -41,6 +41,7 @@ from megatron_testkit import (
     cuda_context,
     devices,
     flight_recorder,
+    kernel_log,
     procfs,
     proctree,
     rank_log,
@@ -685,8 +686,28 @@ class _Launch:
 
         A rank the launcher or `ci repro` killed left a note that says so (read with its record); in
         the ranks' cgroup, ranks killed by SIGKILL while the group's OOM counter rose are the kernel
-        OOM killer's, earliest first.
+        OOM killer's, earliest first; so is a SIGKILLed rank whose pid the kernel's log records as
+        an OOM kill since the launch (`megatron_testkit.kernel_log`).
         """
+        self._name_cgroup_ooms(records)
+        self._name_kernel_ooms(records)
+
+    def _name_kernel_ooms(self, records: list[RankRecord]) -> None:
+        """Ranks killed by SIGKILL that the kernel's log records as OOM kills since the launch."""
+        killed = {
+            rec.pid: rec
+            for rec in records
+            if rec.status == "failed" and rec.signal == "SIGKILL" and not rec.exc_type and rec.pid is not None
+        }
+        if not killed:
+            return
+        for pid, line in kernel_log.oom_kill_records(killed, since=self.spawned).items():
+            rec = killed[pid]
+            rec.exc_type, rec.kind_hint = _RUNNER_OOM, "oom"
+            rec.exc_message = f"killed by the kernel OOM killer (the kernel's log: {line})"
+
+    def _name_cgroup_ooms(self, records: list[RankRecord]) -> None:
+        """Ranks killed by SIGKILL while the ranks' cgroup's OOM counter rose, earliest first."""
         if self.cgroup is None or self.oom_before is None:
             return
         killed = [
