@@ -160,6 +160,12 @@ COMMANDS: tuple[Command, ...] = (
         takes_rest=True,
     ),
     Command(
+        "pip-constraints",
+        "refuse, before pip runs, a pin of an image's pip constraint file that the kit cannot meet",
+        None,
+        _own_parser("ci.pip_constraints.main"),
+    ),
+    Command(
         "l0-bench",
         "L0 serial against L0 on the CPU row's xdist workers: wall, CPU and peak memory side by side",
         None,

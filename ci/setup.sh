@@ -74,16 +74,49 @@ else
   py=$venv/bin/python
 fi
 
+# The image's pip constraints (NGC pins every preinstalled package): PIP_CONSTRAINT (pip reads it
+# too), else /etc/pip/constraint.txt. Every pip install below passes them, and a pin that cannot
+# meet what the kit needs is refused in one line before pip runs (python -m ci pip-constraints).
+constraints=()       # pip's arguments: -c FILE ...
+constraint_files=()  # the same files, for ci/pip_constraints.py: --constraint FILE ...
+files=()
+if [ "${KIT_SYSTEM_PYTHON:-0}" = "1" ]; then
+  read -r -a files <<<"${PIP_CONSTRAINT:-}"
+  if [ "${#files[@]}" = 0 ] && [ -f /etc/pip/constraint.txt ]; then
+    files=(/etc/pip/constraint.txt)
+  fi
+  for file in "${files[@]}"; do
+    if [ ! -f "$file" ]; then
+      echo "ci/setup.sh: the pip constraint file $file (PIP_CONSTRAINT) does not exist" >&2
+      exit 2
+    fi
+    constraints+=(-c "$file")
+    constraint_files+=(--constraint "$file")
+  done
+fi
+
 stamp_dir=$("$py" -c 'import sys; print(sys.prefix)')
 stamp=$stamp_dir/.kit-installed
-want="$( (cat pyproject.toml ci/setup.sh; echo "megatron-core==$mcore") | sha256sum | cut -c1-16) megatron-core==$mcore"
+want="$( (cat pyproject.toml ci/setup.sh; echo "megatron-core==$mcore"; for file in "${files[@]}"; do cat "$file"; done) | sha256sum | cut -c1-16) megatron-core==$mcore"
 if [ "$(cat "$stamp" 2>/dev/null || true)" = "$want" ]; then
   echo "$py"
   exit 0
 fi
 
 echo "ci/setup.sh: installing the kit with megatron-core $mcore into $stamp_dir" >&2
-pip() { "$py" -m pip --disable-pip-version-check -q "$@" >&2; }
+pip() { "$py" -m pip --disable-pip-version-check -q "$@" "${constraints[@]}" >&2; }
+extras="dev"
+if [ "${KIT_SYSTEM_PYTHON:-0}" = "1" ] && "$py" -c 'import nvdlfw_inspect' 2>/dev/null; then
+  echo "ci/setup.sh: keeping the interpreter's own nvdlfw-inspect" >&2
+else
+  extras=dev,inspect
+fi
+if [ "${#constraints[@]}" -gt 0 ]; then
+  # megatron-core 0.17+ declares packaging>=24.2 (and torch>=2.6, numpy, which the image has).
+  needs=("megatron-core==$mcore")
+  [ "$(printf '%s\n' 0.17 "$mcore" | sort -V | head -1)" = 0.17 ] && needs+=("packaging>=24.2")
+  "$py" -m ci pip-constraints "${constraint_files[@]}" --extras "$extras" psutil "${needs[@]}" || exit 1
+fi
 if ! "$py" -c 'import torch' 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install torch
@@ -91,17 +124,11 @@ if ! "$py" -c 'import torch' 2>/dev/null; then
     pip install torch==2.13.0
   fi
 fi
-extras="dev"
-if [ "${KIT_SYSTEM_PYTHON:-0}" = "1" ] && "$py" -c 'import nvdlfw_inspect' 2>/dev/null; then
-  echo "ci/setup.sh: keeping the interpreter's own nvdlfw-inspect" >&2
-else
-  extras=dev,inspect
-fi
 # Not the `megatron` extra: it would resolve megatron-core by itself (0.16.1 on Python 3.11).
 pip install -e ".[$extras]" psutil
 if "$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
   pip install "megatron-core==$mcore"
-elif ! "$py" -m pip --disable-pip-version-check -q install "megatron-core==$mcore" >&2 2>/dev/null; then
+elif ! "$py" -m pip --disable-pip-version-check -q install "megatron-core==$mcore" "${constraints[@]}" >&2 2>/dev/null; then
   # Requires-Python >=3.12 (0.17+). Its declared dependencies are torch, numpy and packaging>=24.2;
   # triton is imported by megatron.core.models.gpt (fused kernels) though not declared.
   echo "ci/setup.sh: megatron-core $mcore requires a newer Python than $("$py" -V 2>&1);" \

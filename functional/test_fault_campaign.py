@@ -11,8 +11,8 @@ the fault to the verdict and the processes it left. The figures are printed and 
 ``reports/fault-campaign.json``; the campaign fails below 100% correct or above 0 leaked.
 
 Over NCCL (the L2 GPU row, two GPUs): one trial of each fault a GPU job meets, a CUDA OOM, a
-crash, an exception and a hang that NCCL's watchdog times out (its flight-recorder dump read
-into the verdict), each named by rank and kind. The same trials over gloo (a host OOM for the
+crash, an exception and a hang in a collective (ended by the launch's timeout, which comes before
+NCCL's watchdog throws; its flight-recorder dump read into the verdict), each named by rank and kind. The same trials over gloo (a host OOM for the
 CUDA one) run on every CPU machine.
 
     KIT_FAULT_TRIALS=20 python -m pytest functional/test_fault_campaign.py -m L2 -s
@@ -236,8 +236,12 @@ def test_the_kernel_oom_ground_truth_can_fail() -> None:
 # ---- the faults of a GPU job, over NCCL (and their CPU twins over gloo) ----------------------------
 # Each on rank 1 of 2, after collective #1: rank 0 waits for it in the barrier (#2), as the next
 # step of a training loop would. NCCL's hang: rank 0's process group times out (run_ranks sets
-# it to max(5, min(0.8 t, t - 10)) s = 72 s for t = 90: after ~10 s of CUDA/NCCL start-up it still
-# fires before the launch's own timeout), its watchdog dumps the flight recorder and aborts.
+# it to max(5, min(0.8 t, t - 10)) s = 72 s for t = 90) and its watchdog asks for the flight
+# recorder's dump, but it waits getDumpTimeout() * 4 = 60 s for that dump before it throws (torch's
+# ProcessGroupNCCL watchdog loop), ~132 s after the barrier began: past the launch's own 90 s
+# timeout. So the launch timeout decides: the launcher requests the dump, takes every rank's
+# stack and blames rank 1, the rank that entered the fewest collectives; the dump's findings are
+# in the verdict.
 NCCL_HANG_TIMEOUT = float(os.environ.get("KIT_FAULT_NCCL_HANG_TIMEOUT", "90"))
 BACKEND_FAULTS = {"nccl": ("cuda_oom", "exception", "sigsegv", "hang_collective")}
 BACKEND_FAULTS["gloo"] = tuple("python_oom" if k == "cuda_oom" else k for k in BACKEND_FAULTS["nccl"])

@@ -25,7 +25,10 @@ from megatron_testkit.schema import Failure, RankPeak
 
 _OOM_PATTERNS = re.compile(
     r"out of memory|can't allocate memory|cannot allocate memory|not enough memory|"
-    r"memory budget exceeded|CUDA error: out of memory|OutOfMemoryError",
+    r"memory budget exceeded|CUDA error: out of memory|OutOfMemoryError|"
+    # cuBLAS's and cuDNN's failed workspace or handle allocation (CUBLAS_STATUS_ALLOC_FAILED,
+    # CUDNN_STATUS_ALLOC_FAILED), and the runtime's error name where its message is not printed.
+    r"_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation",
     re.IGNORECASE,
 )
 _OOM_TYPES = {"MemoryError", "torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError"}
@@ -84,11 +87,12 @@ class RankRecord:
         if self.exc_type:
             text = (self.exc_message or "").strip().splitlines()
             return f"{self.exc_type}: {text[0] if text else ''}".rstrip(": ")
+        printed = f" after printing: {self.extra['oom_line']}" if self.extra.get("oom_line") else ""
         if self.signal:
-            hint = " (possibly the kernel OOM killer)" if self.signal == "SIGKILL" else ""
-            return f"killed by {self.signal}{hint}"
+            hint = " (possibly the kernel OOM killer)" if self.signal == "SIGKILL" and not printed else ""
+            return f"killed by {self.signal}{hint}{printed}"
         if self.exit_code not in (None, 0):
-            return f"exited with code {self.exit_code} without a Python exception"
+            return f"exited with code {self.exit_code} without a Python exception{printed}"
         if self.exit_code == 0 and self.status == "failed":
             return "exited with code 0 before returning (no result, no record)"
         return self.status
@@ -157,10 +161,15 @@ def classify(record: RankRecord) -> None:
         return
     text = f"{record.exc_type or ''}: {record.exc_message or ''}"
     if record.exc_type is None:
-        # No Python exception: a signal or a bare exit. NCCL's watchdog aborts a rank whose
-        # collective timed out; its last output says so, and that is a hang, not a crash.
-        watchdog = record.log_tail and _WATCHDOG_PATTERNS.search(record.log_tail)
-        record.kind = "hang" if watchdog else "crash"
+        # No Python exception: a signal or a bare exit, diagnosed from the rank's last output.
+        oom_line = _oom_line(record)
+        if oom_line is not None:
+            record.kind, record.extra["oom_line"] = "oom", oom_line
+        elif record.log_tail and _WATCHDOG_PATTERNS.search(record.log_tail):
+            # NCCL's watchdog aborts a rank whose collective timed out: a hang, not a crash.
+            record.kind = "hang"
+        else:
+            record.kind = "crash"
     elif record.kind_hint == "oom" or record.exc_type in _OOM_TYPES or _OOM_PATTERNS.search(text):
         record.kind = "oom"
     elif _KNOCK_ON_PATTERNS.search(text):
@@ -170,6 +179,21 @@ def classify(record: RankRecord) -> None:
         record.kind = "hang"
     else:
         record.kind = "error"
+
+
+def _oom_line(record: RankRecord) -> str | None:
+    """The last line of a rank's output that says it ran out of memory, when it died without a
+    Python exception (``terminate`` after "CUDA error: out of memory", cuBLAS's
+    CUBLAS_STATUS_ALLOC_FAILED, then SIGABRT or an exit). A SIGKILL is never named from output:
+    the OOM killer prints nothing to the rank, and whatever the rank printed before it was killed
+    may have been survived; it is ``oom`` only with the launcher's evidence (a budget or runner
+    limit it enforced, the memory cgroup's OOM-kill count), which sets ``kind_hint``."""
+    if record.signal == "SIGKILL" or not record.log_tail:
+        return None
+    for line in reversed(record.log_tail.splitlines()):
+        if _OOM_PATTERNS.search(line):
+            return line.strip()[:300]
+    return None
 
 
 def root_cause(records: list[RankRecord]) -> RankRecord | None:

@@ -50,7 +50,7 @@ from typing import Any
 import psutil
 import pytest
 
-from megatron_testkit import admission, attribution, golden_plugin, machine_ledger, skips, stall
+from megatron_testkit import admission, attribution, cuda_context, golden_plugin, machine_ledger, skips, stall
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
 from megatron_testkit.report import ReportCollector, build_report, format_table, plural, write_report
@@ -312,6 +312,7 @@ class _KitSession:
             pytest_rss_end_bytes=_rss(),
             allowed_skips=_allowed_list(self.config.stash.get(_ALLOWED_SKIPS, None)),
             exit_status=exit_status,
+            cuda_context=_cuda_context_note(),
             **repro_settings(self.config),
             **self.admission_figures(),
         ).to_json()
@@ -339,6 +340,12 @@ def _skip_summary(config: pytest.Config) -> bool:
 
 def _allowed_list(allowed: frozenset[str] | None) -> list[str] | None:
     return None if allowed is None else sorted(allowed)
+
+
+def _cuda_context_note() -> str | None:
+    """The header's note on a CUDA context in this process that no test's own code created."""
+    cuda_context.observe(cuda_context.OUTSIDE)  # one made after the last test (a session hook)
+    return cuda_context.header_note(cuda_context.origin())
 
 
 def _rss() -> int:
@@ -583,10 +590,12 @@ def _stall_window_of(mark: pytest.Mark) -> float | None:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     attribution.begin_test(item.nodeid, None)
     item.stash[_RSS_BEFORE] = _rss()
+    cuda_context.observe(cuda_context.OUTSIDE)  # a context before the test: not its code's
     try:
         return (yield)
     finally:
         attribution.end_test()
+        cuda_context.observe(cuda_context.TEST, item.nodeid)
 
 
 _RSS_BEFORE = pytest.StashKey[int]()

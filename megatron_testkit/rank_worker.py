@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit import devices, procfs, stall
+from megatron_testkit import devices, procfs, rank_result, stall
 from megatron_testkit.budgets import MemoryBudgetExceeded
 from megatron_testkit.procfs import current_rss_bytes
 
@@ -496,6 +496,9 @@ def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[A
     import torch
     import torch.distributed as dist
 
+    # Before the test's module (and megatron-core with it) is imported: results are pickled
+    # with torch's own storage loader, so reading them in pytest imports nothing new there.
+    rank_result.keep_torch_storage_loader()
     # An idle rank's footprint (Python + torch): the launcher refuses smaller host budgets.
     state.idle_host_bytes = current_rss_bytes()
     torch.set_num_threads(spec["threads"])
@@ -548,7 +551,7 @@ def _finish(state: _Rank, result: Any) -> None:
     import torch.distributed as dist
 
     with open(state.run_dir / f"rank{state.rank}.result", "wb") as f:
-        pickle.dump(result, f)
+        rank_result.dump_result(result, f)
     if dist.is_initialized():
         if state.spec["world_size"] > 1:
             # Every rank past init and out of the function before any tears its group down: a

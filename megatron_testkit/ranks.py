@@ -38,8 +38,10 @@ from accounting.json_input import JsonInputError, load_json
 from megatron_testkit import (
     admission,
     attribution,
+    cuda_context,
     devices,
     flight_recorder,
+    kernel_log,
     machine_ledger,
     procfs,
     proctree,
@@ -280,6 +282,11 @@ def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, 
             "PYTHONFAULTHANDLER": "1",
         }
     )
+    # Inductor compiles in the rank itself, not in a pool of workers: the pool's sidecar is shut
+    # down by an atexit handler, which a rank (ended by os._exit) never runs, so it outlived the
+    # rank as a leaked process. Read when torch._inductor.config is imported; the session's or the
+    # test's own setting wins.
+    child.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     child.update({k: str(v) for k, v in env.items()})
     return child
 
@@ -711,8 +718,28 @@ class _Launch:
 
         A rank the launcher or `ci repro` killed left a note that says so (read with its record); in
         the ranks' cgroup, ranks killed by SIGKILL while the group's OOM counter rose are the kernel
-        OOM killer's, earliest first.
+        OOM killer's, earliest first; so is a SIGKILLed rank whose pid the kernel's log records as
+        an OOM kill since the launch (`megatron_testkit.kernel_log`).
         """
+        self._name_cgroup_ooms(records)
+        self._name_kernel_ooms(records)
+
+    def _name_kernel_ooms(self, records: list[RankRecord]) -> None:
+        """Ranks killed by SIGKILL that the kernel's log records as OOM kills since the launch."""
+        killed = {
+            rec.pid: rec
+            for rec in records
+            if rec.status == "failed" and rec.signal == "SIGKILL" and not rec.exc_type and rec.pid is not None
+        }
+        if not killed:
+            return
+        for pid, line in kernel_log.oom_kill_records(killed, since=self.spawned).items():
+            rec = killed[pid]
+            rec.exc_type, rec.kind_hint = _RUNNER_OOM, "oom"
+            rec.exc_message = f"killed by the kernel OOM killer (the kernel's log: {line})"
+
+    def _name_cgroup_ooms(self, records: list[RankRecord]) -> None:
+        """Ranks killed by SIGKILL while the ranks' cgroup's OOM counter rose, earliest first."""
         if self.cgroup is None or self.oom_before is None:
             return
         killed = [
@@ -820,10 +847,13 @@ class _Launch:
     def results(self, records: list[RankRecord]) -> list[Any] | RankFailure:
         """Every rank's return value, in rank order; a `RankFailure` naming a rank that left none."""
         out = []
+        # A CUDA tensor in a result creates a CUDA context here: the kit's doing, not the test's.
+        cuda_context.observe(cuda_context.TEST, cuda_context.current_test())
         for r, rec in zip(self.ranks, records, strict=True):
             try:
                 with open(self.run_dir / f"rank{r.rank}.result", "rb") as f:
                     out.append(pickle.load(f))
+                cuda_context.observe(cuda_context.KIT, cuda_context.current_test())
             except Exception as exc:  # unpickling runs the result's own code: anything can fail
                 rec.status, rec.exc_type = "failed", type(exc).__name__
                 rec.exc_message = f"rank {r.rank} finished but its result could not be read here: {exc}"

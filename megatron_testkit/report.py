@@ -458,6 +458,11 @@ def format_markdown(report: dict[str, Any]) -> str:
             if session.get("sessions")
             else ""
         ),
+        *(
+            ["", f"CUDA context in pytest: {_md(session['cuda_context'])}"]
+            if session.get("cuda_context")
+            else []
+        ),
         "",
         "| " + " | ".join(table_columns(report)) + " |",
         "|" + "|".join("---" for _ in table_columns(report)) + "|",

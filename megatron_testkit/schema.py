@@ -32,11 +32,13 @@ from megatron_testkit.metrics import TestMetrics
 # 4: a launch's and a test's ``rank_logs`` (the rank-log folder relative to the report folder, so
 # that a downloaded artifact resolves it; ``log_dir`` keeps the absolute path of the machine that
 # ran); a test's ``line`` (its function's line: CI annotations point there); a launch's
-# ``memory`` (each rank's RSS over time, sampled by the launcher: `megatron_testkit.memory_series`).
+# ``memory`` (each rank's RSS over time, sampled by the launcher: `megatron_testkit.memory_series`);
+# the session's ``cuda_context`` (who created the pytest process' CUDA context, when a test's own
+# code did not).
 REPORT_VERSION = 4
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
-# admission; versions 1 to 3 without ``rank_logs``.
+# admission; versions 1 to 3 without ``rank_logs``, ``line``, ``memory`` and ``cuda_context``.
 READ_VERSIONS = (1, 2, 3, 4)
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
@@ -440,6 +442,9 @@ class Session:
     admission_peak_bytes: int | None = None
     admission_source: str | None = None
     admission_default_rank_bytes: int | None = None
+    # Version 4: who created the pytest process' CUDA context when a test's own code did not (the
+    # kit reading a rank's CUDA tensors, or something before any test); None otherwise.
+    cuda_context: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -451,7 +456,7 @@ class Session:
         if not isinstance(data, dict):
             raise SchemaError("'session' is not an object")
         values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
-        for name in ("ci_job", "megatron_core", "torch", "admission_source"):
+        for name in ("ci_job", "megatron_core", "torch", "admission_source", "cuda_context"):
             if not isinstance(values[name], str):
                 values[name] = None
         for name in ("admission_limit_bytes", "admission_peak_bytes", "admission_default_rank_bytes"):

@@ -193,3 +193,76 @@ def test_the_dry_run_passes_and_writes_one_summary_line_per_step(tmp_path):
     for step in steps:
         assert f"[gpu-check] {step}" in run.stdout
     assert "[gpu-check] not covered: the tests that need two GPUs" in run.stdout
+
+
+@pytest.mark.L0
+def test_the_pytest_step_collects_only_the_files_holding_gpu_tests(tmp_path):
+    files = pytest_step.gpu_test_files()
+    assert {
+        "unit/test_memory.py",
+        "functional/test_cp_pretrain_sft.py",
+        "functional/test_tensor_inspect.py",
+    } <= set(files)
+    # The workflow and action checks import yaml, which a GPU container need not have.
+    assert "unit/test_workflows.py" not in files and "unit/test_action.py" not in files
+    cmd, _ = gpu_check.Check(tmp_path, dry_run=True, budget_s=60).pytest_command()
+    assert cmd[cmd.index("L0 and gpu") + 1 : cmd.index("L0 and gpu") + 1 + len(files)] == files
+
+
+@pytest.mark.L0
+def test_a_module_the_gpu_test_files_import_and_the_interpreter_lacks_is_named(tmp_path):
+    (tmp_path / "conftest.py").write_text("import kit_absent_for_conftest\nimport os\n")
+    (tmp_path / "fixtures").mkdir()
+    (tmp_path / "fixtures" / "support.py").write_text("from kit_absent_for_fixtures.sub import x\n")
+    (tmp_path / "test_gpu.py").write_text(
+        "import pytest\n"
+        "from fixtures.support import x\n"
+        "try:\n    import kit_absent_optional\nexcept ImportError:\n    pass\n"
+        "def test_a():\n    import kit_absent_in_a_function\n"
+    )
+    # Module-level imports only, followed through the repository's fixtures; optional ones are not needed.
+    assert pytest_step.missing_modules(["test_gpu.py"], root=tmp_path) == [
+        "kit_absent_for_conftest",
+        "kit_absent_for_fixtures",
+    ]
+    assert pytest_step.missing_modules(pytest_step.gpu_test_files()) == []  # this environment has them
+
+
+@pytest.mark.L0
+def test_a_missing_module_fails_the_pytest_step_in_one_line_before_pytest(tmp_path, monkeypatch):
+    # This interpreter has hypothesis: its absence (real in a GPU container without it) stands in here.
+    monkeypatch.setattr(pytest_step, "missing_modules", lambda files: ["hypothesis"])
+    check = gpu_check.Check(tmp_path, dry_run=True, budget_s=60)
+    with pytest.raises(
+        StepFailed, match=r"^this interpreter lacks hypothesis, which the GPU test files import: carry"
+    ):
+        pytest_step.step(check)
+    assert not (tmp_path / "pytest.log").exists()  # pytest never ran
+
+
+@pytest.mark.L1
+def test_the_gpu_test_files_hold_every_l0_gpu_test_of_the_tree(tmp_path):
+    def collected(*paths: str) -> set[str]:
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "--collect-only",
+                "-q",
+                "-m",
+                "L0 and gpu",
+                "-p",
+                "no:randomly",
+                *paths,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return {line for line in run.stdout.splitlines() if "::" in line}
+
+    everything = collected()
+    assert everything and collected(*pytest_step.gpu_test_files()) == everything

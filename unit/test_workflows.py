@@ -556,7 +556,17 @@ def test_usage_errors_go_to_stderr_with_exit_2(args: tuple[str, ...], words: str
 
 
 # Every subcommand, as the issue names them (not read from ci/cli.py, which this checks).
-SUBCOMMANDS = ("job", "repro", "chart", "merge-reports", "gpu-check", "golden", "bench", "l0-bench")
+SUBCOMMANDS = (
+    "job",
+    "repro",
+    "chart",
+    "merge-reports",
+    "gpu-check",
+    "golden",
+    "bench",
+    "pip-constraints",
+    "l0-bench",
+)
 
 
 def test_help_lists_every_subcommand_and_each_has_its_own() -> None:

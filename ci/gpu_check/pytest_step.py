@@ -5,10 +5,16 @@ declare (``KIT_ALLOWED_SKIPS``: the GPU rows' CPU-path checks, and, on this one-
 ``gpus``: the tests that need two GPUs skip by design, as ``KIT_REQUIRE_GPUS=1`` says). At least one test
 must have run: JUnit's ``tests`` counts skipped tests too, so the step counts the test cases that
 were not skipped. The dry run collects the selection only.
+
+pytest collects only the files that hold GPU tests (`gpu_test_files`), so the check's interpreter
+needs only what those files import (not, say, the workflow tests' yaml); what it lacks of that is
+named in one line before pytest runs (`missing_modules`), rather than a collection error.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import shlex
 import subprocess
@@ -27,9 +33,63 @@ ROOT = Path(__file__).resolve().parents[2]
 ALLOWED_SKIPS = (*GPU_ALLOWED_SKIPS, "gpus")
 
 
+# The folders whose test files pytest would collect, and this repository's own packages (never
+# "missing": they are on the path from the repository root).
+TEST_DIRS = ("unit", "functional")
+LOCAL_PACKAGES = frozenset(
+    {"unit", "functional", "fixtures", "megatron_testkit", "accounting", "ci", "conftest"}
+)
+
+
+def gpu_test_files(root: Path = ROOT) -> list[str]:
+    """The test files that hold GPU tests (a ``gpu`` mark in their text), relative to ``root``."""
+    return [
+        str(path.relative_to(root))
+        for folder in TEST_DIRS
+        for path in sorted((root / folder).glob("test_*.py"))
+        if "mark.gpu" in path.read_text()
+    ]
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The modules a file imports when it is imported (its module-level imports, not those inside
+    a function or a ``try``, which are optional)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def missing_modules(files: list[str], root: Path = ROOT) -> list[str]:
+    """The modules that ``files``, ``conftest.py`` and the local modules they import (followed
+    through) need at import and this interpreter cannot find, sorted."""
+    todo = [root / "conftest.py", *(root / f for f in files)]
+    seen: set[Path] = set()
+    needed: set[str] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        for name in _top_level_imports(path):
+            if name in LOCAL_PACKAGES:
+                continue
+            needed.add(name)
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                parts = node.module.split(".")
+                if parts[0] in ("fixtures", "unit"):  # this repository's test support, followed
+                    todo.append(root.joinpath(*parts).with_suffix(".py"))
+                    todo.append(root.joinpath(*parts, "__init__.py"))
+    return sorted(name for name in needed if name != "__future__" and importlib.util.find_spec(name) is None)
+
+
 def pytest_command(out: Path) -> tuple[list[str], dict[str, str]]:
     """The pytest command and environment of the step, its report under `out`/pytest."""
-    cmd = pytest_argv(["-m", "L0 and gpu"], out / "pytest")
+    cmd = pytest_argv(["-m", "L0 and gpu", *gpu_test_files()], out / "pytest")
     env = {
         "KIT_REQUIRE_GPUS": "1",
         ALLOWED_SKIPS_ENV: ",".join(ALLOWED_SKIPS),
@@ -58,8 +118,15 @@ def pytest_argv(selection: list[str], report: Path) -> list[str]:
 def step(check: CheckState) -> dict[str, Any]:
     """Run the selection (collect it in a dry run); it must pass and run at least one test."""
     cmd, env = pytest_command(check.out)
-    if check.dry:
-        cmd = [*cmd[:3], "--collect-only", *cmd[3:7], "-q"]
+    files = gpu_test_files()
+    missing = missing_modules(files)
+    expect(
+        not missing,
+        f"this interpreter lacks {', '.join(missing)}, which the GPU test files import: carry their wheels "
+        f"in KIT_WHEELS (bash ci/gpu_check.sh installs them offline) or pip install them",
+    )
+    if check.dry:  # collect only: no report, no junit
+        cmd = [*cmd[:3], "--collect-only", "-m", "L0 and gpu", *files, "-p", "no:randomly", "-q"]
     figures = run_pytest(cmd, env, check.out / "pytest.log", timeout=max(10.0, check.remaining() - 5))
     if check.dry:
         expect(figures["returncode"] == 0, f"collecting 'L0 and gpu' failed: {figures['last_line']}")
