@@ -48,7 +48,7 @@ from accounting.parallel_layout import (
     accumulator_from_process_groups,
     check_dp_group,
 )
-from accounting.seqlen_fields import MALFORMED, MALFORMED_AT
+from accounting.seqlen_fields import FIELDS, MALFORMED, MALFORMED_AT, wrap_int64
 from accounting.seqlen_host import HostMicrobatches
 from accounting.seqlens import (
     SeqlenStats,
@@ -57,6 +57,7 @@ from accounting.seqlens import (
     to_device,
     validate_cu_seqlens,
 )
+from accounting.step_sums import exact_sums, fold_, fold_ints, high_words, unfold_, wrapped_fields
 
 __all__ = ["FlopsAccumulator"]
 
@@ -154,8 +155,10 @@ class FlopsAccumulator:
     def _reset_microbatches(self) -> None:
         self._host.clear()
         self._device.clear()
-        self._local: SeqlenStats | None = None
-        self._dense = SeqlenStats.zeros(window_size=self.window)
+        # This rank's step so far: its statistics (a wrapped sum counted as malformed), the high words
+        # of its sums (`accounting.step_sums`) and whether they wrapped; made at the first look.
+        self._local: tuple[SeqlenStats, Any, Any] | None = None
+        self._dense = [0] * len(FIELDS)  # dense microbatches' sums, exact ints (never wrapped here)
         self.num_microbatches = 0
 
     def add_microbatch(
@@ -239,28 +242,50 @@ class FlopsAccumulator:
             if tokens is None:
                 raise ValueError("add_microbatch: a dense FlopsAccumulator needs seq_len or tokens")
             seq_len = tokens.shape[-1]
-        self._dense = self._dense + SeqlenStats.dense(
+        one = SeqlenStats.dense(
             _count("micro_batch_size", micro_batch_size), _count("seq_len", seq_len), window_size=self.window
-        )
+        ).held_ints()
+        self._dense = [a + b for a, b in zip(self._dense, one, strict=True)]
+        self._local = None
 
     def local_stats(self) -> SeqlenStats:
-        """This rank's statistics of the current step so far (no collective; kernels only for staged ones)."""
-        if not self.packed:
-            return self._dense
+        """This rank's statistics of the current step so far (no collective; kernels only for staged ones).
+
+        Sums of valid microbatches that pass 2**63 together (int64 would wrap) count as one malformed
+        row of the `int64` kind, which `step` and `training_flops` refuse.
+        """
+        return self._local_sums()[0]
+
+    def _local_sums(self) -> tuple[SeqlenStats, Any, Any]:
+        """(this rank's statistics, their high words, whether they wrapped): ints or device tensors."""
         if self._local is None:
-            host = self._host.total()
-            device = self._device.total(self.window) if len(self._device) else None
-            if device is not None:
-                if host is not None:
-                    device = device + to_device(torch.tensor(host, dtype=torch.int64), device.device)
-                self._local = SeqlenStats.from_vector(device, window=self.window)
-            elif host is None and self.device is not None:
-                self._local = SeqlenStats.zeros(window_size=self.window, device=self.device)
-            else:
-                self._local = SeqlenStats._from_ints(
-                    host or [0] * len(SeqlenStats.field_names()), self.window
-                )
+            self._local = self._dense_sums(1) if not self.packed else self._packed_sums()
         return self._local
+
+    def _dense_sums(self, factor: int) -> tuple[SeqlenStats, list[int], int]:
+        return self._host_sums([value * factor for value in self._dense])
+
+    def _host_sums(self, exact: list[int]) -> tuple[SeqlenStats, list[int], int]:
+        """Statistics of exact host sums as int64 holds them, their high words, whether they wrapped."""
+        high = high_words(exact)
+        ints, wrapped = fold_ints([wrap_int64(v) for v in exact], high)
+        return SeqlenStats._from_ints(ints, self.window), high, wrapped
+
+    def _packed_sums(self) -> tuple[SeqlenStats, Any, Any]:
+        exact = self._host.exact_total()
+        device = self._device.total(self.window) if len(self._device) else None
+        if device is None and (exact is not None or self.device is None):
+            return self._host_sums(exact or [0] * len(FIELDS))
+        if device is None:  # nothing counted, statistics asked on the accumulator's device
+            vector, high = torch.zeros(2, len(FIELDS), dtype=torch.int64, device=self.device)
+            return SeqlenStats.from_vector(vector, window=self.window), high, 0
+        vector, high = device
+        if exact is not None:  # both: the host's sums join the device's (one copy, no sync)
+            host = [wrap_int64(v) for v in exact] + high_words(exact)
+            host = to_device(torch.tensor(host, dtype=torch.int64), vector.device)
+            vector, high = vector + host[: len(FIELDS)], high + host[len(FIELDS) :]
+        wrapped = fold_(vector, high)
+        return SeqlenStats.from_vector(vector, window=self.window), high, wrapped
 
     def resolve(self, dp_group: Any = None, dp_size: int | None = None) -> SeqlenStats:
         """Global-batch statistics: packed = one SUM all-reduce over `dp_group`; dense = local x DP size.
@@ -269,8 +294,14 @@ class FlopsAccumulator:
         `dp_group` (here or at construction): defaulting to the world would over-count under
         tensor, pipeline or context parallelism. Dense mode there requires `dp_size` or
         `dp_group`: defaulting to 1 would under-count. A group whose size is not the DP size (the
-        declared `dp_size`, else megatron-core's when its parallel state is initialised) is refused.
+        declared `dp_size`, else megatron-core's when its parallel state is initialised) is
+        refused. Sums that pass 2**63 (int64 would wrap), over this rank's microbatches or over the
+        ranks, count as one malformed row of the `int64` kind (decided without a read).
         """
+        return self._resolve(dp_group, dp_size)[0]
+
+    def _resolve(self, dp_group: Any, dp_size: int | None) -> tuple[SeqlenStats, Any, Any]:
+        """`resolve`, with the high words of its sums and whether this rank's own sums wrapped."""
         group = dp_group if dp_group is not None else self.dp_group
         declared = dp_size if dp_size is not None else self.dp_size
         check_dp_group(group, self.layout.dp_size if self.layout is not None else declared)
@@ -283,8 +314,8 @@ class FlopsAccumulator:
                 )
             if size is None:
                 size = _group_size(group) if group is not None and _dist_ready() else 1
-            return self._dense.scaled(size)
-        local = self.local_stats()
+            return (*self._dense_sums(size)[:2], self._local_sums()[2])
+        local = self._local_sums()
         if not _dist_ready():
             return local
         if group is None:
@@ -297,9 +328,20 @@ class FlopsAccumulator:
         if _group_size(group) == 1:
             return local
         device = self.device if self.device is not None else _reduce_device(group)
-        vec = local.to_vector(device=device).contiguous()  # a new tensor: the local one stays as it was
+        # One int64 tensor: the sums, then their high words, which the same SUM adds up. A new
+        # tensor, so the local statistics stay as they were; without this rank's own wrap count,
+        # which the reduced sums count again.
+        stats, high, wrapped = local
+        held, fields = stats.held_ints(), len(FIELDS)
+        if held is not None:
+            vec = to_device(torch.tensor([*held, *high], dtype=torch.int64), device)
+        else:
+            vec = torch.cat([stats.to_vector(device=device), high.to(device)])
+        if not isinstance(wrapped, int) or wrapped:  # a tensor is never read here
+            unfold_(vec[:fields], wrapped)
         torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.SUM, group=group)
-        return SeqlenStats.from_vector(vec, window=self.window)
+        fold_(vec[:fields], vec[fields:])
+        return SeqlenStats.from_vector(vec[:fields], window=self.window), vec[fields:], wrapped
 
     @classmethod
     def from_parallel_state(cls, packed: bool, **kwargs: Any) -> FlopsAccumulator:
@@ -325,7 +367,7 @@ class FlopsAccumulator:
         Raises ValueError, on every rank of the group alike, when any rank's microbatches held
         malformed boundaries; the step is then discarded (nothing added, state reset).
         """
-        stats = self.resolve(dp_group=dp_group, dp_size=dp_size)
+        stats, high, _ = self._resolve(dp_group, dp_size)
         if stats.held_ints() is None and stats.tokens.is_meta:
             self._reset_microbatches()
             raise ValueError(
@@ -334,7 +376,7 @@ class FlopsAccumulator:
             )
         values = stats.to_dict()
         if values["malformed_rows"]:
-            message = self._malformed_message(values)
+            message = self._malformed_message(values, high)
             self._reset_microbatches()
             raise ValueError(message)
         breakdown = flops_from_sums(
@@ -360,15 +402,30 @@ class FlopsAccumulator:
         vectors = {**self._host.per_microbatch(), **self._device.per_microbatch(self.window)}
         return [vectors[index] for index in range(self.num_microbatches)]
 
-    def _malformed_message(self, values: dict[str, int]) -> str:
-        """Which of this rank's microbatches were malformed and how (reads their counters: one sync)."""
+    def _malformed_message(self, values: dict[str, int], high: Any) -> str:
+        """Which of this rank's microbatches were malformed and how, or which sums wrapped (reads
+        their counters: one sync)."""
         found = []
-        for index, vector in enumerate(self._per_microbatch()):
+        for index, vector in enumerate(self._per_microbatch() if self.packed else ()):
             counts = vector[MALFORMED_AT:]
             if counts[0]:
                 kinds = ", ".join(text for text, n in zip(MALFORMED.values(), counts[1:], strict=True) if n)
                 rows = f"{counts[0]} malformed row{'s' if counts[0] != 1 else ''}"
                 found.append(f"microbatch {index} has {rows} ({kinds})")
+        high = high if isinstance(high, list) else high.tolist()
+        wrapped = wrapped_fields(list(values.values()), high)
+        if not found and wrapped:
+            exact = dict(zip(FIELDS, exact_sums(list(values.values()), high), strict=True))
+            sums = ", ".join(f"{name} = {exact[name]}" for name in wrapped)
+            scope = (
+                f"this rank's {self.num_microbatches} microbatches"
+                if self._local_sums()[2]
+                else "the data-parallel ranks' microbatches"
+            )
+            return (
+                f"FlopsAccumulator.step: this step's sums over {scope} reach 2**63 or more ({sums}): "
+                "past what the int64 sums hold exactly, each microbatch valid on its own. The step is not counted"
+            )
         where = (
             "; ".join(found)
             if found

@@ -17,7 +17,19 @@ import torch
 __all__ = ["check_boundaries", "check_pack_len", "check_shape", "on_host", "route"]
 
 _INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+# Unsigned boundaries are read as their values (exact in int64) up to uint32; uint64 can hold values
+# of 2**63 and more, which the int64 sums cannot (one path read them as an empty pack, another raised
+# a raw OverflowError), so it is refused whole, on every path alike.
+_UNSIGNED_READ = frozenset({torch.uint16, torch.uint32})
+_UNSIGNED_REFUSED = torch.uint64
 _INT32, _INT64 = torch.int32, torch.int64  # what data loaders make: compared by identity, cheaper than a set
+_STRIDED = torch.strided
+# Quantized tensors keep the strided layout but hold scaled integers (a quantized "layout").
+_QUANTIZED = frozenset(
+    getattr(torch, name)
+    for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, name)
+)
 _TENSOR = torch.Tensor
 _TOP = 2**63  # a pack total at or past it is past the exact int64 sums
 
@@ -25,21 +37,46 @@ _TOP = 2**63  # a pack total at or past it is past the exact int64 sums
 def check_shape(cu: torch.Tensor, name: str) -> torch.Size:
     """The shape of a 1-D or 2-D boundary tensor; rejects what metadata alone shows to be wrong.
 
-    Three tensor reads (its type, dtype and shape), since it runs on every microbatch.
+    Four tensor reads (its type, layout, dtype and shape), since it runs on every microbatch.
     """
     if type(cu) is not _TENSOR and not isinstance(cu, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    dtype, shape = cu.dtype, cu.shape
-    if (
-        dtype is not _INT32
-        and dtype is not _INT64
-        and dtype not in _INTEGER
-        and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-    ):
-        raise ValueError(f"{name} has dtype {dtype}: boundaries must be an integer tensor (int32 or int64)")
+    if cu.layout is not _STRIDED:
+        raise ValueError(_layout_error(name, str(cu.layout)))
+    try:
+        dtype, shape = cu.dtype, cu.shape
+    except RuntimeError:  # a nested tensor of strided layout has no single shape to read
+        raise ValueError(_layout_error(name, "nested (torch.strided)")) from None
+    if dtype is not _INT32 and dtype is not _INT64 and dtype not in _INTEGER:
+        _check_dtype(dtype, name)
     if not 0 < len(shape) < 3 or shape[-1] < 1:
         raise ValueError(_shape_error(name, shape))
     return shape
+
+
+def _layout_error(name: str, layout: str) -> str:
+    hint = f"{name}.to_dense()" if "sparse" in layout else "one [n+1] or [micro_batch, n+1] tensor"
+    return f"{name} has layout {layout}: boundaries must be a dense torch.strided tensor; pass {hint}"
+
+
+def _check_dtype(dtype: torch.dtype, name: str) -> None:
+    """Refuses the dtypes that are not boundaries: float, complex, bool, quantized, uint64."""
+    if dtype in _UNSIGNED_READ:
+        return
+    if dtype is _UNSIGNED_REFUSED:
+        raise ValueError(
+            f"{name} has dtype {dtype}: unsigned boundaries may be at most 32 bits wide (a uint64 value can "
+            f"be 2**63 or more, past the int64 sums); pass {name}.to(torch.int64)"
+        )
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(f"{name} has dtype {dtype}: boundaries must be an integer tensor (int32 or int64)")
+    if dtype in _QUANTIZED:
+        raise ValueError(
+            f"{name} has dtype {dtype}, layout quantized: boundaries must be a plain integer tensor (int32 or "
+            f"int64); pass {name}.dequantize().round().to(torch.int64)"
+        )
+    # Anything else (bit types, sub-byte integer shells) holds no plain integers either.
+    raise ValueError(f"{name} has dtype {dtype}: boundaries must be an integer tensor (int32 or int64)")
 
 
 def _shape_error(name: str, shape: torch.Size) -> str:

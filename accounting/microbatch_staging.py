@@ -2,7 +2,8 @@
 
 `StagedMicrobatches` is the accumulator's one structure for them: boundaries staged by `add`,
 and statistics vectors made on the device elsewhere (`add_vector`, from a data loader), both
-by microbatch index; `totals` gives each one's vector and their sum, without a read.
+by microbatch index; `total` gives their sum and its high words (`accounting.step_sums`, what
+tells a wrapped sum from a true one), `per_microbatch` each one's vector, without a read.
 
 `add` copies a microbatch's boundaries to int64 (one kernel, two with padded boundaries): no sync,
 no host read, and a caller that reuses its buffer cannot change what was staged. `totals` then
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from accounting.seqlen_kernels import row_columns
+from accounting.step_sums import WORD
 
 __all__ = ["StagedMicrobatches"]
 
@@ -81,16 +83,20 @@ class StagedMicrobatches:
         self._vectors.append(vector)
         self._vectors_at.append(index)
 
-    def total(self, window: Window | None) -> torch.Tensor | None:
-        """The step's `[fields]` int64 sum on the device, without a read (None: nothing held)."""
+    def total(self, window: Window | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's `[fields]` int64 sum on the device and its addends' high words
+        (`accounting.step_sums`), both new tensors, without a read (None: nothing held)."""
         sums = []
         if self._items:
-            sums.append(self._staged_totals(window)[1])
+            sums.append(self._staged_totals(window)[1:])
         if self._vectors:
-            sums.append(torch.stack(self._vectors).sum(0))
+            stacked = torch.stack(self._vectors)
+            sums.append((stacked.sum(0), (stacked >> WORD).sum(0)))
         if not sums:
             return None
-        return sums[0] if len(sums) == 1 else sums[0] + sums[1]
+        if len(sums) == 1:
+            return sums[0]
+        return sums[0][0] + sums[1][0], sums[0][1] + sums[1][1]
 
     def per_microbatch(self, window: Window | None) -> dict[int, list[int]]:
         """Each microbatch's own vector, by index (reads them back: one sync, for error messages)."""
@@ -104,16 +110,18 @@ class StagedMicrobatches:
         read = torch.cat(vectors).tolist()
         return dict(zip(self._items_at + self._vectors_at, read, strict=True))
 
-    def _staged_totals(self, window: Window | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`([microbatches, fields], [fields])` of the staged boundaries: each one's vector, and their sum."""
-        src, limit, pack_tokens, zero = self._layout()
+    def _staged_totals(self, window: Window | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`([microbatches, fields], [fields], [fields])` of the staged boundaries: each one's vector,
+        their sum, and the high words of their sum (`accounting.step_sums`)."""
+        src, limit, unknown, pack_tokens, zero = self._layout()
         flat = [zero] + [real.view(-1) for real, *_ in self._items]
         flat += [padded.view(-1) for _, padded, *_ in self._items if padded is not None]
         bounds = torch.cat(flat)[src]
         per_microbatch = row_columns(bounds, window=window, limit=limit).sum(-1)  # [fields, microbatches]
-        # A known pack length counts every slot of the pack, trailing ones included.
-        per_microbatch[3] = torch.where(pack_tokens >= 0, pack_tokens, per_microbatch[3])
-        return per_microbatch.T, per_microbatch.sum(-1)
+        # A known pack length counts every slot of the pack, trailing ones included: the plan holds
+        # 0 (known) or 1 (unknown) and the pack's slots (0 when unknown), so two in-place kernels.
+        per_microbatch[3].mul_(unknown).add_(pack_tokens)
+        return per_microbatch.T, per_microbatch.sum(-1), (per_microbatch >> WORD).sum(-1)
 
     def _layout(self) -> tuple[torch.Tensor, ...]:
         """The gather index and per-row limits on the device, rebuilt only when the layout changes."""
@@ -131,7 +139,7 @@ class StagedMicrobatches:
 
 
 def _plan(key: tuple) -> torch.Tensor:
-    """On the host: `[0, gather index [sets, k, rows, width], limits [k, rows], pack tokens [k]]`.
+    """On the host: `[0, gather index [sets, k, rows, width], limits [k, rows], unknown [k], pack tokens [k]]`.
 
     The concatenation the index reads starts with that 0 (the plan's own first element), then
     every microbatch's real boundaries, then the padded ones of those that have them; a
@@ -154,20 +162,22 @@ def _plan(key: tuple) -> torch.Tensor:
         for s, base in enumerate((offsets[j], padded_offsets[j])[:sets]):
             index[s, j, :r] = (base + row * w + np.minimum(col, w - 1))[:r]
     limits = np.full((k, rows), _NO_LIMIT, dtype=np.int64)
-    pack_tokens = np.full(k, -1, dtype=np.int64)
+    unknown = np.ones(k, dtype=np.int64)
+    pack_tokens = np.zeros(k, dtype=np.int64)
     for j, (r, _, _, pack_len) in enumerate(key):
         if pack_len is not None:
             limits[j, :r] = pack_len
-            pack_tokens[j] = r * pack_len
-    return torch.from_numpy(np.concatenate([[0], index.ravel(), limits.ravel(), pack_tokens]))
+            unknown[j], pack_tokens[j] = 0, r * pack_len
+    return torch.from_numpy(np.concatenate([[0], index.ravel(), limits.ravel(), unknown, pack_tokens]))
 
 
 def _split(plan: torch.Tensor, key: tuple) -> tuple[torch.Tensor, ...]:
-    """Views of the plan: (gather index, limits, pack tokens, the leading 0)."""
+    """Views of the plan: (gather index, limits, pack length unknown (1) or not (0), pack tokens, the leading 0)."""
     k = len(key)
     rows, width = max(r for r, *_ in key), max(w for _, w, *_ in key)
     sets = 2 if any(has for _, _, has, _ in key) else 1
     n = sets * k * rows * width
     index = plan[1 : 1 + n].view(sets, k, rows, width)
     limits = plan[1 + n : 1 + n + k * rows].view(k, rows)
-    return index, limits, plan[1 + n + k * rows :], plan[:1]
+    at = 1 + n + k * rows
+    return index, limits, plan[at : at + k], plan[at + k :], plan[:1]

@@ -20,7 +20,10 @@ MALFORMED: dict[str, str] = {
     ),
     "beyond_pack": "more tokens than the pack length (pack_len / seq_len)",
     "longer_than_padded": "a real segment longer than its padded segment in cu_seqlens_padded",
-    "int64": "row token totals whose squares sum to 2**63 or more (the int64 sums of s² could wrap)",
+    "int64": (
+        "row token totals whose squares sum to 2**63 or more, or a step's sums over its microbatches and "
+        "data-parallel ranks that reach 2**63 (the int64 sums of s² could wrap)"
+    ),
 }
 KINDS = tuple(MALFORMED)
 

@@ -109,6 +109,13 @@ class HostMicrobatches:
 
     def total(self) -> list[int] | None:
         """The step's summed vector as int64 sums hold it (None: no host microbatch)."""
+        total = self.exact_total()
+        if total is not None and (min(total) < -(2**63) or max(total) >= 2**63):  # as int64 sums wrap
+            total = [wrap_int64(v) for v in total]
+        return total
+
+    def exact_total(self) -> list[int] | None:
+        """The step's summed vector as exact ints, before any int64 wrap (None: no host microbatch)."""
         summed = plain_step(self._rows) if self._rows and self.window is None else None
         if summed is not None and not self._counted:
             total = summed  # the common step: small packs only, one pass over them all
@@ -119,8 +126,6 @@ class HostMicrobatches:
             if not parts:
                 return None
             total = parts[0] if len(parts) == 1 else list(map(sum, zip(*parts, strict=True)))
-        if min(total) < -(2**63) or max(total) >= 2**63:  # as int64 sums wrap
-            total = [wrap_int64(v) for v in total]
         return total
 
     def per_microbatch(self) -> dict[int, list[int]]:

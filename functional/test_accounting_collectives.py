@@ -175,6 +175,73 @@ def test_a_malformed_pack_on_one_dp_rank_raises_on_both_ranks_and_none_hangs():
     assert results[0]["step_flops"] == results[1]["step_flops"] == results[0]["state"]["total_flops"] > 0
 
 
+# ---------------------------------------------------------------- step sums that pass int64 together
+
+# The longest document whose s² fits an int64 (2**63 - 5,928,526,807), and one that still fits beside it.
+_LONG, _BESIDE_LONG = 3_037_000_499, 76_995
+# Per step, per rank: the documents of each microbatch (one per microbatch). Step 0: one LONG
+# document per rank, so only the all-reduce's sum passes 2**63; step 1: rank 0's own two pass it;
+# step 2: LONG beside a document that fits, counted exactly on both ranks.
+_WRAP_STEPS = [
+    [[_LONG], [_LONG]],
+    [[_LONG, _LONG], [3]],
+    [[_LONG], [_BESIDE_LONG]],
+]
+# How a microbatch arrives: counted on the host as a small pack or a large one (past the loop's
+# limit: numpy), or staged for the device path's kernels.
+_WRAP_FORMS = {"small pack": ("auto", 0), "large pack": ("auto", 200), "device path": ("device", 0)}
+
+
+def _wrap_rank_checks(rank: int, world_size: int, steps: list, forms: dict) -> dict:
+    from accounting import FlopsAccumulator, ModelShape
+
+    counter = CollectiveCounter().install()
+    shape = ModelShape(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32)
+    out = {}
+    for form, (count_on, tail) in forms.items():
+        acc = FlopsAccumulator(packed=True, dp_group=torch.distributed.group.WORLD, count_on=count_on)
+        errors, reduces = [], []
+        for i, per_rank in enumerate(steps):
+            for length in per_rank[rank]:
+                acc.add_microbatch(cu_seqlens=torch.tensor([0, length] + [length] * tail))
+            counter.phase = f"{form} {i}"
+            try:
+                acc.step(shape)
+                errors.append(None)
+            except ValueError as err:
+                errors.append(str(err))
+            reduces.append(counter.counts(counter.phase)["all_reduce"])
+        out[form] = {
+            "errors": errors,
+            "reduces": reduces,
+            "last": acc.last_stats.to_dict(),
+            **acc.state_dict(),
+        }
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_step_sums_that_pass_int64_only_over_the_dp_all_reduce_are_refused_on_every_rank():
+    # The high words of each sum ride the same one all-reduce: whichever sum wraps (one rank's
+    # microbatches, or the ranks' together), every rank refuses the step, and the next one counts.
+    results = run_ranks(_wrap_rank_checks, 2, args=(_WRAP_STEPS, _WRAP_FORMS), timeout=120)
+    prefix = "FlopsAccumulator.step: this step's sums over "
+    step0 = f"the data-parallel ranks' microbatches reach 2**63 or more (squared = {2 * _LONG**2},"
+    step1_own = f"this rank's 2 microbatches reach 2**63 or more (squared = {2 * _LONG**2 + 9},"
+    step1_other = f"the data-parallel ranks' microbatches reach 2**63 or more (squared = {2 * _LONG**2 + 9},"
+    for rank, out in enumerate(results):
+        for form, got in out.items():
+            errors = got["errors"]
+            assert errors[0] is not None and errors[0].startswith(prefix + step0), (rank, form, errors[0])
+            step1 = step1_own if rank == 0 else step1_other
+            assert errors[1] is not None and errors[1].startswith(prefix + step1), (rank, form, errors[1])
+            assert errors[2] is None, (rank, form, errors[2])
+            assert got["reduces"] == [1, 1, 1], (rank, form)  # one all-reduce per step, refused or not
+            # Only step 2 counted, exactly (Python's ints as the oracle).
+            assert got["last"]["squared"] == _LONG**2 + _BESIDE_LONG**2 < 2**63, (rank, form)
+            assert got["total_tokens"] == _LONG + _BESIDE_LONG and got["steps"] == 1, (rank, form)
+
+
 # ---------------------------------------------------------------- CP=2 x DP=2 on 4 ranks
 
 

@@ -158,13 +158,15 @@ def merge(sources: list[Source]) -> dict[str, Any]:
     """The merged report, in the kit report's schema plus ``node`` on ranks and failures."""
     rows: dict[str, dict[str, Any]] = {}
     seen: set[tuple[int, int | None]] = set()
-    seen_tests: set[tuple[int, int | None, str]] = set()
+    # Per test, the processes (node, rank) that reported it: kept by test as the rows come, so the
+    # merge stays linear in the rows (a scan of every seen test per test was quadratic).
+    processes: dict[str, set[tuple[int, int | None]]] = {}
     world = 0
     for source in sources:
         for row in source.report["tests"]:
             rank = _process_rank(source, row)
             seen.add((source.node, rank))
-            seen_tests.add((source.node, rank, row["nodeid"]))
+            processes.setdefault(row["nodeid"], set()).add((source.node, rank))
             world = max(world, row.get("world_size") or 0)
             _fold(rows.setdefault(row["nodeid"], _empty_row(row["nodeid"])), row, source, rank)
     # Under torchrun every rank names the same root cause (the kit gathers each rank's outcome):
@@ -174,8 +176,7 @@ def merge(sources: list[Source]) -> dict[str, Any]:
         merged["ranks"].sort(key=lambda r: (r["rank"], r["node"]))
         # Under torchrun each process is one rank: a test whose ranks all failed before the kit
         # could record a launch still ran on as many ranks as processes reported it.
-        processes = {(node, rank) for node, rank, test in seen_tests if test == nodeid}
-        merged["world_size"] = min(max(merged["world_size"], len(processes)), MAX_WORLD_SIZE)
+        merged["world_size"] = min(max(merged["world_size"], len(processes[nodeid])), MAX_WORLD_SIZE)
         merged["failure"] = _root(merged["failures"], rank_nodes)
     session = _session(sources, world, seen)
     return _with_node_fields(build_report(session, list(rows.values())), list(rows.values()))

@@ -514,6 +514,75 @@ def test_host_and_device_paths_wrap_a_step_sum_past_int64_alike():
     assert host.local_stats().to_dict()["squared"] == 4 * (2**31 - 1) ** 2 - 2**64 == -(2**34) + 4
 
 
+# The longest document whose s² fits an int64: s² = 2**63 - 5,928,526,807. Two of them in one step
+# pass 2**63 (the step's int64 sum wraps to -11,857,053,614: 2.73e20 FLOPs instead of 1.45e25).
+LONG = 3_037_000_499
+# A second document that still fits beside it: 76,995² = 5,928,230,025 < 5,928,526,807.
+BESIDE_LONG = 76_995
+
+
+def _long_microbatch(form: str) -> dict:
+    """One microbatch of one LONG document: a small pack, a large pack (past the host loop's
+    limit, so numpy counts it), or statistics made elsewhere and held as a device-style vector."""
+    if form == "small pack":
+        return {"cu_seqlens": torch.tensor([0, LONG])}
+    if form == "large pack":
+        return {"cu_seqlens": torch.tensor([0, LONG] + [LONG] * 200)}
+    return {"stats": SeqlenStats.from_vector(seqlen_stats_vector(torch.tensor([0, LONG])))}
+
+
+@pytest.mark.parametrize("count_on", ["auto", "device"])
+@pytest.mark.parametrize("form", ["small pack", "large pack", "stats vector"])
+def test_valid_microbatches_whose_step_sum_passes_int64_are_refused_at_step(form, count_on):
+    assert LONG**2 < 2**63 <= 2 * LONG**2  # each microbatch valid, the two together not
+    acc = FlopsAccumulator(packed=True, count_on=count_on)
+    for _ in range(2):
+        acc.add_microbatch(**_long_microbatch(form))
+    # Sync-free until read: the wrap is one more malformed row of the int64 kind, which
+    # training_flops refuses as well.
+    assert acc.resolve().malformed() == {"int64": 1}
+    with pytest.raises(ValueError, match=r"^training_flops: the statistics count 1 malformed boundary row"):
+        training_flops(SHAPE, acc.resolve())
+    exact = 2 * LONG * LONG  # Python's exact ints: 18,446,744,061,852,498,002
+    with pytest.raises(
+        ValueError,
+        match=rf"^FlopsAccumulator\.step: this step's sums over this rank's 2 microbatches reach 2\*\*63 or "
+        rf"more \(squared = {exact}, padded_squared = {exact}\).* The step is not counted$",
+    ):
+        acc.step(SHAPE)
+    assert acc.state_dict() == dict.fromkeys(acc.state_dict(), 0) and acc.num_microbatches == 0
+    # Beside a document that still fits, the step counts exactly.
+    acc.add_microbatch(**_long_microbatch(form))
+    acc.add_microbatch(cu_seqlens=torch.tensor([0, BESIDE_LONG]))
+    acc.step(SHAPE)
+    assert acc.last_stats.to_dict()["squared"] == LONG**2 + BESIDE_LONG**2 == 2**63 - 296_782
+    assert acc.total_tokens == LONG + BESIDE_LONG
+
+
+def test_host_and_device_microbatches_of_one_step_are_checked_together():
+    # A host-counted microbatch and a staged one: each fits, their sum does not.
+    acc = FlopsAccumulator(packed=True)
+    acc.add_microbatch(cu_seqlens=torch.tensor([0, LONG]))
+    acc.add_microbatch(**_long_microbatch("stats vector"))
+    assert acc.local_stats().held_ints() is None and acc.local_stats().malformed() == {"int64": 1}
+    with pytest.raises(ValueError, match=r"^FlopsAccumulator\.step: this step's sums over this rank's 2"):
+        acc.step(SHAPE)
+
+
+@pytest.mark.parametrize(("microbatches", "dp_size"), [(2, 1), (1, 2)])
+def test_a_dense_step_whose_sums_pass_int64_is_refused(microbatches, dp_size):
+    # Dense counts shapes: each microbatch fits, the step's sum (or its product with the DP size) not.
+    acc = FlopsAccumulator(packed=False, dp_size=dp_size)
+    for _ in range(microbatches):
+        acc.add_microbatch(micro_batch_size=1, seq_len=LONG)
+    assert acc.resolve().malformed() == {"int64": 1}
+    scope = "this rank's 2 microbatches" if microbatches == 2 else "the data-parallel ranks' microbatches"
+    with pytest.raises(ValueError, match=rf"^FlopsAccumulator\.step: this step's sums over {scope} .*"):
+        acc.step(SHAPE)
+    acc.add_microbatch(micro_batch_size=1, seq_len=LONG // 2)
+    assert acc.step(SHAPE) > 0 and acc.total_tokens == dp_size * (LONG // 2)
+
+
 @pytest.mark.parametrize("docs", [3, 400])
 def test_a_host_pack_is_counted_as_it_was_when_added(docs):
     # Small host packs are read at add_microbatch and counted at resolve, large ones counted at

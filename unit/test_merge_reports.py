@@ -227,3 +227,40 @@ def test_no_control_character_from_the_reports_reaches_any_line_of_the_markdown(
     markdown = (tmp_path / "out" / "kit-report.md").read_text()
     assert all(ch.isprintable() for line in markdown.splitlines() for ch in line), markdown
     assert "t.py::x\\x1b]0;pwn\\x07" in markdown
+
+
+def _merge_steps(tests: int, processes: int = 2) -> int:
+    """The Python lines `merge` runs in merge_nodes.py itself for `processes` reports of `tests` tests."""
+    sources = [
+        merge_reports.Source(
+            rank // 2,
+            rank,
+            Path(f"node{rank // 2}/rank{rank}/kit-report.json"),
+            {"session": {"host": "h"}, "tests": [_row(f"t.py::test_{i}", "passed", rank) for i in range(tests)]},
+        )
+        for rank in range(processes)
+    ]
+    steps = 0
+
+    def trace(frame, event, arg):
+        nonlocal steps
+        if frame.f_code.co_filename != merge_reports.__file__:
+            return None  # the schema's and the report's own work is not the merge's
+        steps += event == "line"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        report = merge_reports.merge(sources)
+    finally:
+        sys.settrace(None)
+    assert len(report["tests"]) == tests and all(row["world_size"] == 4 for row in report["tests"])
+    return steps
+
+
+def test_the_merge_is_linear_in_tests_times_process_reports() -> None:
+    # Counted in Python line events, not timed: twice the tests take twice the merge's own steps.
+    # A merge that scanned every process' tests for each test took four times as many (2 x 100,000
+    # tests did not finish in 9 minutes). python -m ci bench -k merge prints the times.
+    small, large = _merge_steps(300), _merge_steps(600)
+    assert large < 2.2 * small, (small, large)

@@ -214,6 +214,34 @@ def test_the_schema_is_the_report_contract_and_round_trips() -> None:
     assert [r.peak_host_bytes for r in parsed.tests[0].ranks] == [10, 50]
 
 
+def test_a_rows_json_is_what_dataclasses_asdict_gives_and_shares_no_list_with_the_row() -> None:
+    # The row's JSON is built without asdict's deep copy of every scalar (the time of reading and
+    # merging large reports): the same JSON, and still a copy.
+    import dataclasses
+
+    from megatron_testkit.metrics import Comparison, MetricSeries, TestMetrics
+    from megatron_testkit.schema import Report
+
+    rows = collect(
+        phase("t.py::a", "setup", pytest_rss_before_bytes=1, budget_host_bytes=2**30),
+        phase("t.py::a", "call", "failed", runs=[run(2, [10, 50])], failure={"rank": 1, "kind": "oom"}),
+        phase("t.py::a", "teardown", pytest_rss_after_bytes=2),
+    )
+    entry = Report.from_json(json.loads(json.dumps(report_of(rows)))).tests[0]
+    series = {
+        "loss": MetricSeries(Comparison("relative", 0.01), {"1": 2.5, "2": 2}),
+        "x": MetricSeries(Comparison("exact")),
+    }
+    entry = dataclasses.replace(entry, metrics=TestMetrics("cpu-gloo", None, series))
+    assert entry.launches and entry.failure is not None and entry.ranks  # nested dataclasses to convert
+    got = entry.to_json()
+    assert got == dataclasses.asdict(entry)
+    assert json.dumps(got) == json.dumps(dataclasses.asdict(entry))  # the same key order too
+    got["ranks"].append("x")
+    got["metrics"]["series"]["loss"]["values"]["3"] = 1.0
+    assert len(entry.ranks) == 2 and "3" not in entry.metrics.series["loss"].values
+
+
 @pytest.mark.parametrize(
     ("broken", "says"),
     [

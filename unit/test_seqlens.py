@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting import SeqlenStats, seqlen_stats, validate_cu_seqlens
+from accounting import FlopsAccumulator, SeqlenStats, seqlen_stats, validate_cu_seqlens
 from accounting.seqlen_fields import FIELDS, wrap_int64
 from accounting.seqlen_host import LOOP_LIMIT, host_values, plain_step
 from accounting.seqlens import seqlen_stats_vector
@@ -280,6 +280,89 @@ def test_stats_reject_what_the_metadata_shows_without_syncing():
         seqlen_stats(torch.zeros(1, 1, 3, dtype=torch.int64, device="meta"))
     with pytest.raises(ValueError, match="pack_len"):
         seqlen_stats(torch.tensor([0, 1]), pack_len=-1)
+
+
+def _every_path(cu: torch.Tensor, padded: torch.Tensor | None = None) -> dict:
+    """What each way of counting boundaries makes of them: tokens, Σs² and malformed rows, or its error."""
+
+    def accumulated(count_on: str) -> dict:
+        acc = FlopsAccumulator(packed=True, count_on=count_on)
+        acc.add_microbatch(cu_seqlens=cu, cu_seqlens_padded=padded)
+        return acc.local_stats().to_dict()
+
+    paths = {
+        "seqlen_stats": lambda: seqlen_stats(cu, padded).to_dict(),
+        "kernels": lambda: SeqlenStats.from_vector(seqlen_stats_vector(cu, padded)).to_dict(),
+        "accumulator (host)": lambda: accumulated("auto"),
+        "accumulator (device path)": lambda: accumulated("device"),
+        "validate_cu_seqlens": lambda: validate_cu_seqlens(cu, padded) or {},
+    }
+    out = {}
+    for name, path in paths.items():
+        try:
+            got = path()
+            out[name] = (got.get("tokens"), got.get("squared"), got.get("malformed_rows"))
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+@pytest.mark.parametrize("width", [2, 2 * LOOP_LIMIT], ids=["loop", "numpy"])
+def test_uint64_boundaries_are_refused_on_every_path_alike(width):
+    # [0, 2**64 - 1] read as an empty pack on one path and a raw OverflowError on another.
+    cu = torch.tensor([0] + [2**64 - 1] * (width - 1), dtype=torch.uint64)
+    message = (
+        "cu_seqlens has dtype torch.uint64: unsigned boundaries may be at most 32 bits wide (a uint64 value "
+        "can be 2**63 or more, past the int64 sums); pass cu_seqlens.to(torch.int64)"
+    )
+    assert set(_every_path(cu).values()) == {message}
+    padded = {
+        "cu_seqlens_padded has dtype torch.uint64: unsigned boundaries may be at most 32 bits wide (a uint64 "
+        "value can be 2**63 or more, past the int64 sums); pass cu_seqlens_padded.to(torch.int64)"
+    }
+    assert set(_every_path(torch.tensor([0, 1]), torch.tensor([0, 1], dtype=torch.uint64)).values()) == padded
+
+
+# Values past the signed type of the same width (negative if read as int16 / int32), with squares
+# that still fit the int64 sums.
+@pytest.mark.parametrize(("dtype", "top"), [(torch.uint16, 2**16 - 1), (torch.uint32, 2**31 + 5)])
+@pytest.mark.parametrize("width", [3, 2 * LOOP_LIMIT], ids=["loop", "numpy"])
+def test_uint16_and_uint32_boundaries_are_read_as_their_unsigned_values_on_every_path(dtype, top, width):
+    cu = torch.tensor([0, top - 1] + [top] * (width - 2), dtype=dtype)
+    expected = (top, (top - 1) ** 2 + 1, 0)  # Python ints: a document of top - 1 tokens, then one of 1
+    got = _every_path(cu)
+    assert got.pop("validate_cu_seqlens") == (None, None, None)  # validated, nothing to say
+    assert set(got.values()) == {expected}, got
+
+
+@pytest.mark.parametrize(
+    ("make", "layout"),
+    [
+        (lambda cu: cu.to_sparse(), "torch.sparse_coo"),
+        (lambda cu: cu.unsqueeze(0).to_sparse_csr(), "torch.sparse_csr"),
+        (lambda cu: torch.nested.nested_tensor([cu, cu], layout=torch.jagged), "torch.jagged"),
+        (lambda cu: torch.nested.nested_tensor([cu, cu]), "nested (torch.strided)"),
+    ],
+    ids=["sparse_coo", "sparse_csr", "nested jagged", "nested strided"],
+)
+def test_sparse_and_nested_boundaries_get_one_error_naming_the_layout_on_every_path(make, layout):
+    cu = make(torch.tensor([0, 3, 7]))
+    errors = set(_every_path(cu).values())
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    assert error.startswith(
+        f"cu_seqlens has layout {layout}: boundaries must be a dense torch.strided tensor"
+    )
+    padded = _every_path(torch.tensor([0, 3, 7]), make(torch.tensor([0, 3, 7])))
+    assert all(e.startswith(f"cu_seqlens_padded has layout {layout}") for e in padded.values()), padded
+
+
+def test_quantized_boundaries_get_one_error_naming_the_layout_on_every_path():
+    cu = torch.quantize_per_tensor(torch.tensor([0.0, 3.0, 7.0]), 1.0, 0, torch.qint32)
+    assert set(_every_path(cu).values()) == {
+        "cu_seqlens has dtype torch.qint32, layout quantized: boundaries must be a plain integer tensor "
+        "(int32 or int64); pass cu_seqlens.dequantize().round().to(torch.int64)"
+    }
 
 
 def test_stats_reject_padded_boundaries_of_another_width_naming_both_shapes():
