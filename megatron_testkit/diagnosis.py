@@ -211,10 +211,7 @@ def format_failure(
     kind = root.kind or "error"
     stalled = root.extra.get("stall")
     if kind == "hang" and stalled is not None:
-        first = (
-            f"rank {root.rank} hang: {stalled.why}; it entered the fewest of the group's collectives; "
-            f"stacks and collective counts of every rank below"
-        )
+        first = f"rank {root.rank} hang: {stalled.why}; stacks and collective counts of every rank below"
     elif kind == "hang" and root.status != "failed":
         if "timed_out_rank" in root.extra:
             why = f"a collective timed out on rank {root.extra['timed_out_rank']}"
@@ -234,6 +231,9 @@ def format_failure(
     lines = [first, ""]
     when = f" at +{root.time - started:.2f} s" if root.time is not None and started is not None else ""
     lines.append(f"Root cause: rank {root.rank} ({kind}){when}")
+    if stalled is not None and getattr(stalled, "waits", ()):
+        lines.append("  who waits for whom (the wait-for graph, megatron_testkit.wait_graph):")
+        lines += [f"    {line}" for line in stalled.waits]
     if stalled is not None:
         lines.append("  where every rank was (the stall rule, megatron_testkit.stall):")
         lines += [f"    {line}" for line in stalled.lines]
