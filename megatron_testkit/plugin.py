@@ -50,7 +50,7 @@ from typing import Any
 import psutil
 import pytest
 
-from megatron_testkit import admission, attribution, golden_plugin, skips, stall
+from megatron_testkit import admission, attribution, golden_plugin, heartbeat, skips, stall
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
 from megatron_testkit.report import ReportCollector, build_report, format_table, plural, write_report
@@ -323,6 +323,14 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> Iterator[None]:
+    """Before pytest captures output (its own wrapper of this hook starts it): keep the terminal's
+    stderr for the launches' progress lines (`megatron_testkit.heartbeat`)."""
+    heartbeat.save_terminal()
+    return (yield)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Registered here too, so a repository that pip-installs the plugin gets them under
     # --strict-markers without copying our pyproject.
@@ -379,6 +387,7 @@ def _check_kit_environment() -> None:
         admission.enabled,
         admission.default_rank_bytes,
         stall.default_window,
+        heartbeat.interval,
     )
     for check in checks:
         try:
