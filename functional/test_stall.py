@@ -174,9 +174,10 @@ def test_a_background_thread_in_a_collective_while_the_main_thread_sleeps_is_no_
 
 
 def pair_cycle(rank: int, world_size: int) -> None:
-    """Each rank all-reduces on a different pair group: 0 on {0, 1}, 1 on {1, 2}, 2 on {0, 2}."""
+    """Each rank all-reduces on a different pair group: 0 on {0, 1}, 1 on {1, 2}, 2 on {0, 2}
+    (the group passed by position: the wrappers bind arguments by the function's signature)."""
     groups = [dist.new_group([0, 1]), dist.new_group([1, 2]), dist.new_group([0, 2])]
-    dist.all_reduce(torch.ones(1), group=groups[rank])
+    dist.all_reduce(torch.ones(1), dist.ReduceOp.SUM, groups[rank])
 
 
 def world_against_side_barrier(rank: int, world_size: int) -> None:

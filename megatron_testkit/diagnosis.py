@@ -195,6 +195,26 @@ def root_cause(records: list[RankRecord]) -> RankRecord | None:
     return None
 
 
+# The kit's own frames between a test's call and torch (collective counting, the wait on an async
+# op): left out of the stacks a failure shows; the rank's log and stacks file keep them.
+_KIT_FRAME = re.compile(r'^\s*File "[^"]*megatron_testkit[/\\](collectives|stall|waits)\.py", line \d+')
+
+
+def without_kit_frames(text: str) -> str:
+    """A traceback or faulthandler stack without the kit's wrapper frames (and their source lines)."""
+    out: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        if _KIT_FRAME.match(line):
+            skipping = True
+            continue
+        if skipping and line.startswith("    ") and not line.lstrip().startswith("File "):
+            continue  # the skipped frame's source line and its carets
+        skipping = False
+        out.append(line)
+    return "\n".join(out)
+
+
 def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.rstrip().splitlines())
 
@@ -240,10 +260,10 @@ def format_failure(
     if root.last_collective:
         lines.append(f"  last collective entered: {root.last_collective}")
     if root.traceback:
-        lines.append(_indent(root.traceback, "  "))
+        lines.append(_indent(without_kit_frames(root.traceback), "  "))
     if root.stack and (kind in ("hang", "crash") or not root.traceback):
         lines.append(f"  Python stack of rank {root.rank} (faulthandler):")
-        lines.append(_indent(root.stack, "    "))
+        lines.append(_indent(without_kit_frames(root.stack), "    "))
     others = [r for r in records if r.rank != root.rank]
     if others:
         lines += ["", "Other ranks:"]
@@ -263,7 +283,7 @@ def format_failure(
             desc += f"; last collective entered: {rec.last_collective}"
         lines.append(f"  rank {rec.rank}: {desc}")
         if rec.stack and (rec.status in ("hung", "torn_down") or rec.kind == "hang"):
-            lines.append(_indent(rec.stack, "      "))
+            lines.append(_indent(without_kit_frames(rec.stack), "      "))
     if log_dir:
         lines += ["", f"Rank logs: {log_dir}"]
     for rec in [root, *others]:
