@@ -206,14 +206,16 @@ class _Rank:
         with self.lock:
             self._count("wait")
             frame = self.waits.enter_wait(work)
-            self.write_state()
+            if self.waits.depth() == 1:  # not inside a collective already (``barrier`` waits on its own op)
+                self.write_state()
         return frame
 
     def waited(self, frame: Any) -> None:
         with self.lock:
             self.waits.leave(frame)
             self._uncount()
-            self.write_state()
+            if self.waits.depth() == 0:
+                self.write_state()
 
     def write_state(self) -> None:
         """rank<N>.state: the last collective, the one the rank is inside, each thread's wait
@@ -231,6 +233,7 @@ class _Rank:
                 **self.waits.state(),
             },
             self.state_size,
+            self.waits.groups_json(),
         )
 
     def track_collectives(self) -> None:

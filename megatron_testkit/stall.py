@@ -358,15 +358,20 @@ class StallDetector:
         )
 
 
-def write_state(fd: int, fields: Mapping[str, Any], size: int = STATE_LINE_BYTES) -> int:
+def write_state(
+    fd: int, fields: Mapping[str, Any], size: int = STATE_LINE_BYTES, groups: str | None = None
+) -> int:
     """Overwrite a rank's state line in place (rank side; never raises for the disk); its new size.
 
     The line is padded to ``size`` bytes and grows (in whole `STATE_LINE_BYTES` blocks) when the
     state is longer, never cut: a cut line would leave the rank without a position. A state over
     `MAX_STATE_BYTES` is replaced by a short line that says so (``overflow``), which the launcher
-    reads as a rank whose waits are unknown.
+    reads as a rank whose waits are unknown. ``groups``, if given, is the ``groups`` field already
+    serialised (it only grows: the rank keeps it as JSON rather than dump it at every collective).
     """
     line = json.dumps(dict(fields), separators=(",", ":"))
+    if groups is not None:
+        line = f'{line[:-1]},"groups":{groups}}}' if len(line) > 2 else f'{{"groups":{groups}}}'
     if len(line) + 1 > MAX_STATE_BYTES:
         short = {
             k: fields[k]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import threading
 import weakref
 from dataclasses import dataclass
@@ -36,6 +37,25 @@ P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 _SENDS = frozenset({"send", "isend"})
 # A container of point-to-point ops: its inner isend/irecv are what it waits on.
 _CONTAINERS = frozenset({"batch_isend_irecv"})
+
+
+class _Arguments:
+    """A call's arguments by parameter name, positional ones bound by the function's signature
+    (the names its positional parameters have, in order); absent ones read as None."""
+
+    __slots__ = ("args", "kwargs", "names")
+
+    def __init__(self, names: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.names, self.args, self.kwargs = names, args, kwargs
+
+    def get(self, name: str) -> Any:
+        if name in self.kwargs:
+            return self.kwargs[name]
+        try:
+            index = self.names.index(name)
+        except ValueError:
+            return None
+        return self.args[index] if index < len(self.args) else None
 
 
 @dataclass
@@ -69,7 +89,9 @@ class WaitTracker:
         self.frames: dict[int, list[_Frame]] = {}
         self.thread_names: dict[int, str] = {}
         self.works: weakref.WeakKeyDictionary[Any, _Frame] = weakref.WeakKeyDictionary()
-        self._signatures: dict[Any, inspect.Signature | None] = {}
+        self._signatures: dict[Any, tuple[str, ...]] = {}  # positional parameter names
+        self._live: tuple[int, list[tuple[str, Any]]] = (-1, [])  # torch's groups, listed once
+        self._groups_json: tuple[int, str] = (-1, "{}")
 
     # -- calls -----------------------------------------------------------------------------------
     def enter(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Frame:
@@ -96,6 +118,10 @@ class WaitTracker:
                 with contextlib.suppress(TypeError):  # not weakly referenceable: its wait is unknown
                     self.works[work] = frame
 
+    def depth(self) -> int:
+        """How many calls this thread is inside."""
+        return len(self.frames.get(threading.get_ident(), ()))
+
     def enter_wait(self, work: Any) -> _Frame:
         """This thread waits on ``work``: a wait in the collective that made it (unknown if none did)."""
         ident = threading.get_ident()
@@ -113,8 +139,15 @@ class WaitTracker:
         return frame
 
     # -- the state line --------------------------------------------------------------------------
+    def groups_json(self) -> str:
+        """``self.groups`` as JSON, serialised again only when a group was added (they never change)."""
+        if self._groups_json[0] != len(self.groups):
+            self._groups_json = (len(self.groups), json.dumps(self.groups, separators=(",", ":")))
+        return self._groups_json[1]
+
     def state(self) -> dict[str, Any]:
-        """The fields of ``rank<N>.state`` that carry the waits (JSON-ready)."""
+        """The fields of ``rank<N>.state`` that carry the waits (JSON-ready; the groups apart, in
+        `groups_json`)."""
         main = threading.main_thread().ident
         threads = []
         for ident, stack in self.frames.items():
@@ -129,7 +162,6 @@ class WaitTracker:
             threads.append(wait)
         return {
             "waits": threads,
-            "groups": self.groups,
             "entered": self.entered,
             "inexact": sorted(self.inexact),
             "sent": {str(k): v for k, v in self.sent.items()},
@@ -166,19 +198,18 @@ class WaitTracker:
         self.ops[group] = self.ops.get(group, 0) + 1
         return _Frame(name, "collective", group, self.entered[group], reusable=True)
 
-    def _bind(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _bind(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Arguments:
         if original not in self._signatures:
             try:
-                self._signatures[original] = inspect.signature(original)
+                names = tuple(
+                    p.name
+                    for p in inspect.signature(original).parameters.values()
+                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                )
             except (TypeError, ValueError):
-                self._signatures[original] = None
-        signature = self._signatures[original]
-        if signature is None:
-            return dict(kwargs)
-        try:
-            return dict(signature.bind_partial(*args, **kwargs).arguments)
-        except TypeError:  # a call torch itself will refuse
-            return dict(kwargs)
+                names = ()
+            self._signatures[original] = names
+        return _Arguments(self._signatures[original], args, kwargs)
 
     def refresh(self) -> None:
         """Note every process group of this rank (ranks, once) and check its count against torch's."""
@@ -187,14 +218,23 @@ class WaitTracker:
     def _check_exact(self) -> None:
         """Compare each group's count with torch's own sequence number for it (outermost calls only);
         every group of this rank is recorded, so a member that never called one still counts 0 in it."""
-        for name, group in _live_groups().items():
-            if _group_name_and_ranks(group, self.groups) is None:
-                continue
+        for name, group in self._live_groups():
             torch_seq = _torch_seq(group)
             if torch_seq is None or torch_seq == self.ops.get(name, 0):
                 self.inexact.discard(name)
             else:
                 self.inexact.add(name)
+
+    def _live_groups(self) -> list[tuple[str, Any]]:
+        """This rank's process groups (name, group), listed again only when torch's registry grows."""
+        registry = _registry()
+        if len(registry) != self._live[0]:
+            live = []
+            for group, name in list(registry.items()):
+                if _group_name_and_ranks(group, self.groups) is not None:
+                    live.append((name, group))
+            self._live = (len(registry), live)
+        return self._live[1]
 
 
 def _weakable(obj: Any) -> bool:
@@ -205,12 +245,12 @@ def _weakable(obj: Any) -> bool:
     return True
 
 
-def _live_groups() -> dict[str, Any]:
-    """This rank's process groups by name (torch's registry; empty before init)."""
+def _registry() -> dict[Any, str]:
+    """torch's registry of this rank's process groups (group -> name; empty before init)."""
     try:
         from torch.distributed import distributed_c10d
 
-        return {name: pg for pg, name in distributed_c10d._world.pg_names.items()}
+        return distributed_c10d._world.pg_names
     except Exception:  # a torch without the registry: nothing to compare
         return {}
 
@@ -240,7 +280,7 @@ def _group_name_and_ranks(group: Any, known: dict[str, list[int]]) -> str | None
         return None
 
 
-def _peer(name: str, bound: dict[str, Any]) -> int | None:
+def _peer(name: str, bound: _Arguments) -> int | None:
     """The global rank a point-to-point op talks to (``group_dst``/``group_src`` mapped), or None."""
     key = "dst" if name in _SENDS else "src"
     peer = bound.get(key)
