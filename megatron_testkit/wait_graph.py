@@ -253,7 +253,8 @@ def _mismatch(blocked: set[int], views: Mapping[int, RankWaits | None]) -> Judge
         if wait is None or wait.kind != "collective" or wait.group is None or wait.group in view.inexact:
             continue
         other = seen.setdefault((wait.group, wait.seq), (r, wait))
-        if other[1].leaf != wait.leaf and other[0] != r:
+        # ``wait on all_reduce`` (an async op's Work) is the same collective as ``all_reduce``.
+        if _called(other[1]) != _called(wait) and other[0] != r:
             o, ow = other
             groups = view.groups
             why = (
@@ -264,6 +265,10 @@ def _mismatch(blocked: set[int], views: Mapping[int, RankWaits | None]) -> Judge
             lines = (f"rank {o} is in {describe(ow, groups)}", f"rank {r} is in {describe(wait, groups)}")
             return Judgement(o, why, lines, mismatch=True)
     return None
+
+
+def _called(wait: Wait) -> str:
+    return wait.leaf.removeprefix("wait on ")
 
 
 def _ranks_text(ranks: Iterable[int]) -> str:

@@ -142,6 +142,20 @@ def test_members_at_one_number_in_different_collectives_are_a_mismatch() -> None
     )
 
 
+def test_an_async_ops_wait_is_the_same_collective_as_the_blocking_call() -> None:
+    # Rank 0 waits on the Work of its async all_reduce #2; rank 1 is in a blocking all_reduce #2
+    # and rank 2 has not come: no mismatch, and no deadlock while rank 2 runs.
+    waiting = Wait(
+        "wait on all_reduce", "collective", "world", 2, None, "wait on all_reduce", True, "MainThread"
+    )
+    views = {
+        0: RankWaits((waiting,), PAIRS, {"world": 2}),
+        1: in_collective("world", 2, {"world": 2}),
+        2: outside({"world": 1}),
+    }
+    assert judge(views, {0, 1}) is None
+
+
 def test_a_state_line_is_read_as_untrusted_input() -> None:
     state = {
         "waits": [
