@@ -68,7 +68,7 @@ _MARKERS = (
     "world_size(n): the number of ranks the test launches (skips when a GPU test needs more GPUs than exist)",
     "memory_budget(host=None, device=None): per-rank peak limits, e.g. host='1.5GiB', device='4GiB'",
     "leak_guard: apply the kit's leak guard to this test although it launches no ranks",
-    "stall_window(seconds): a launch whose live ranks are all blocked in collectives this long is a hang "
+    "stall_window(seconds): a launch whose ranks wait for each other in collectives this long is a hang "
     "(None: off; default KIT_STALL_WINDOW or 30 s)",
 )
 _LEAK_GUARD_MODES = ("ranks", "all", "off")

@@ -970,8 +970,10 @@ def run_ranks(
     from spawn); past it every rank's Python stack is dumped and the launch fails as a hang. ``env`` adds environment variables for the ranks.
     ``budget`` overrides the test's ``memory_budget`` marker. ``stall_window`` (seconds, or None
     for off; default the test's ``stall_window`` marker, else ``KIT_STALL_WINDOW``, else 30 s): when
-    every live rank has been blocked in a collective that long, the launch fails as a ``hang`` at
-    once (`megatron_testkit.stall`). In a session, the launch first waits until the session's
+    ranks have waited for each other in collectives that long (a cycle on the wait-for graph, a
+    wait on an exited rank, a collective mismatch), the launch fails as a ``hang`` at once
+    (`megatron_testkit.stall`, `megatron_testkit.wait_graph`). Past 10 s it prints a progress
+    line every ``KIT_HEARTBEAT`` seconds (`megatron_testkit.heartbeat`). In a session, the launch first waits until the session's
     admission ledger has room for its ranks' budgets (`megatron_testkit.admission`). Raises
     `RankFailure` when any rank fails, `TypeError` when ``fn`` cannot be imported by name in a
     fresh process, `BudgetBelowFootprint` when the host budget is smaller than an idle rank, and
