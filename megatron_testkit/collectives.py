@@ -68,7 +68,10 @@ class CollectiveCounter:
     `calls[phase]` lists the calls in order, each as its name followed by the global ranks of
     the group when one was passed by keyword (`"all_reduce[0, 2]"`), the bare name otherwise.
     `on_enter(name)`, if given, runs before each call and `on_exit(name)` after it returns or
-    raises (the launcher's stall detection: a rank is "inside" a collective between the two); `record=False` keeps no call list (and
+    raises (the launcher's stall detection: a rank is "inside" a collective between the two);
+    `on_call(name, original, args, kwargs)`, if given, runs before each call with the call's own
+    arguments and returns a function called with its result after it (None when it raised): the
+    rank's wait tracking (`megatron_testkit.waits`). `record=False` keeps no call list (and
     does not look up group ranks), for a counter that lives as long as the process.
     """
 
@@ -78,6 +81,7 @@ class CollectiveCounter:
         *,
         on_enter: Callable[[str], None] | None = None,
         on_exit: Callable[[str], None] | None = None,
+        on_call: Callable[[str, Any, tuple[Any, ...], dict[str, Any]], Callable[[Any], None]] | None = None,
         record: bool = True,
     ) -> None:
         self.names = tuple(names)
@@ -86,6 +90,7 @@ class CollectiveCounter:
         self._by_name: dict[str, Counter[str]] = {}
         self._on_enter = on_enter
         self._on_exit = on_exit
+        self._on_call = on_call
         self._record = record
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -137,12 +142,18 @@ class CollectiveCounter:
                 ranks = _group_ranks(group) if group is not None else None
                 self.calls.setdefault(self.phase, []).append(f"{name}{ranks}" if ranks else name)
                 self._by_name.setdefault(self.phase, Counter())[name] += 1
-            if self._on_exit is None:
+            done = self._on_call(name, original, args, kwargs) if self._on_call is not None else None
+            if self._on_exit is None and done is None:
                 return original(*args, **kwargs)
+            result = None
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+                return result
             finally:
-                self._on_exit(name)
+                if done is not None:
+                    done(result)
+                if self._on_exit is not None:
+                    self._on_exit(name)
 
         return counted
 

@@ -219,6 +219,26 @@ def root_cause(records: list[RankRecord]) -> RankRecord | None:
     return None
 
 
+# The kit's own frames between a test's call and torch (collective counting, the wait on an async
+# op): left out of the stacks a failure shows; the rank's log and stacks file keep them.
+_KIT_FRAME = re.compile(r'^\s*File "[^"]*megatron_testkit[/\\](collectives|stall|waits)\.py", line \d+')
+
+
+def without_kit_frames(text: str) -> str:
+    """A traceback or faulthandler stack without the kit's wrapper frames (and their source lines)."""
+    out: list[str] = []
+    skipping = False
+    for line in text.splitlines():
+        if _KIT_FRAME.match(line):
+            skipping = True
+            continue
+        if skipping and line.startswith("    ") and not line.lstrip().startswith("File "):
+            continue  # the skipped frame's source line and its carets
+        skipping = False
+        out.append(line)
+    return "\n".join(out)
+
+
 def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.rstrip().splitlines())
 
@@ -235,10 +255,7 @@ def format_failure(
     kind = root.kind or "error"
     stalled = root.extra.get("stall")
     if kind == "hang" and stalled is not None:
-        first = (
-            f"rank {root.rank} hang: {stalled.why}; it entered the fewest of the group's collectives; "
-            f"stacks and collective counts of every rank below"
-        )
+        first = f"rank {root.rank} hang: {stalled.why}; stacks and collective counts of every rank below"
     elif kind == "hang" and root.status != "failed":
         if "timed_out_rank" in root.extra:
             why = f"a collective timed out on rank {root.extra['timed_out_rank']}"
@@ -258,16 +275,19 @@ def format_failure(
     lines = [first, ""]
     when = f" at +{root.time - started:.2f} s" if root.time is not None and started is not None else ""
     lines.append(f"Root cause: rank {root.rank} ({kind}){when}")
+    if stalled is not None and getattr(stalled, "waits", ()):
+        lines.append("  who waits for whom (the wait-for graph, megatron_testkit.wait_graph):")
+        lines += [f"    {line}" for line in stalled.waits]
     if stalled is not None:
         lines.append("  where every rank was (the stall rule, megatron_testkit.stall):")
         lines += [f"    {line}" for line in stalled.lines]
     if root.last_collective:
         lines.append(f"  last collective entered: {root.last_collective}")
     if root.traceback:
-        lines.append(_indent(root.traceback, "  "))
+        lines.append(_indent(without_kit_frames(root.traceback), "  "))
     if root.stack and (kind in ("hang", "crash") or not root.traceback):
         lines.append(f"  Python stack of rank {root.rank} (faulthandler):")
-        lines.append(_indent(root.stack, "    "))
+        lines.append(_indent(without_kit_frames(root.stack), "    "))
     others = [r for r in records if r.rank != root.rank]
     if others:
         lines += ["", "Other ranks:"]
@@ -287,7 +307,7 @@ def format_failure(
             desc += f"; last collective entered: {rec.last_collective}"
         lines.append(f"  rank {rec.rank}: {desc}")
         if rec.stack and (rec.status in ("hung", "torn_down") or rec.kind == "hang"):
-            lines.append(_indent(rec.stack, "      "))
+            lines.append(_indent(without_kit_frames(rec.stack), "      "))
     if log_dir:
         lines += ["", f"Rank logs: {log_dir}"]
     for rec in [root, *others]:

@@ -49,8 +49,16 @@ SETTINGS: tuple[KitSetting, ...] = (
         "KIT_STALL_WINDOW",
         ENV,
         "30",
-        "seconds every live rank may sit blocked in a collective before the launch fails as a hang "
-        "(off: never); a test's stall_window marker and run_ranks(stall_window=) come first",
+        "seconds the ranks that wait for each other in collectives (the wait-for graph) may stay "
+        "blocked before the launch fails as a hang (off: never); a test's stall_window marker and "
+        "run_ranks(stall_window=) come first",
+    ),
+    KitSetting(
+        "KIT_HEARTBEAT",
+        ENV,
+        "15",
+        "seconds between a launch's progress lines once it has run 10 s (where each rank waits, "
+        "also while queued for admission), on the terminal's stderr under pytest's capture; 0: none",
     ),
     KitSetting(
         "KIT_PG_TIMEOUT_S",

@@ -50,7 +50,16 @@ from typing import Any
 import psutil
 import pytest
 
-from megatron_testkit import admission, attribution, cuda_context, golden_plugin, machine_ledger, skips, stall
+from megatron_testkit import (
+    admission,
+    attribution,
+    cuda_context,
+    golden_plugin,
+    heartbeat,
+    machine_ledger,
+    skips,
+    stall,
+)
 from megatron_testkit.budgets import MemoryBudget
 from megatron_testkit.megatron_cpu import use_cpu_shim  # noqa: F401  (a fixture; imports no torch)
 from megatron_testkit.report import ReportCollector, build_report, format_table, plural, write_report
@@ -68,7 +77,7 @@ _MARKERS = (
     "world_size(n): the number of ranks the test launches (skips when a GPU test needs more GPUs than exist)",
     "memory_budget(host=None, device=None): per-rank peak limits, e.g. host='1.5GiB', device='4GiB'",
     "leak_guard: apply the kit's leak guard to this test although it launches no ranks",
-    "stall_window(seconds): a launch whose live ranks are all blocked in collectives this long is a hang "
+    "stall_window(seconds): a launch whose ranks wait for each other in collectives this long is a hang "
     "(None: off; default KIT_STALL_WINDOW or 30 s)",
 )
 _LEAK_GUARD_MODES = ("ranks", "all", "off")
@@ -366,6 +375,14 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> Iterator[None]:
+    """Before pytest captures output (its own wrapper of this hook starts it): keep the terminal's
+    stderr for the launches' progress lines (`megatron_testkit.heartbeat`)."""
+    heartbeat.save_terminal()
+    return (yield)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Registered here too, so a repository that pip-installs the plugin gets them under
     # --strict-markers without copying our pyproject.
@@ -427,6 +444,7 @@ def _check_kit_environment() -> None:
         machine_ledger.enabled,
         machine_ledger.memory_setting,
         stall.default_window,
+        heartbeat.interval,
     )
     for check in checks:
         try:

@@ -28,6 +28,7 @@ from typing import Any
 from megatron_testkit import devices, procfs, rank_result, stall
 from megatron_testkit.budgets import MemoryBudgetExceeded
 from megatron_testkit.procfs import current_rss_bytes
+from megatron_testkit.waits import WaitTracker
 
 # Exit code of a rank stopped by its host memory budget (its record says so).
 BUDGET_EXIT = 86
@@ -89,6 +90,8 @@ class _Rank:
         self.ready = False  # its process group is up
         self.ready_at: float | None = None  # when (time.time()), for the report's setup_s
         self.kit_tids: list[int] = []  # the kit's own threads, whose CPU is not the rank's progress
+        self.waits = WaitTracker()  # each thread's collective: group, sequence number, peer
+        self.state_size = stall.STATE_LINE_BYTES
         self.state_fd = os.open(self.run_dir / f"rank{rank}.state", os.O_WRONLY | os.O_CREAT, 0o644)
         self.stacks = open(self.run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 (lives until exit)
         self.record_written = False
@@ -157,28 +160,67 @@ class _Rank:
     def entered(self, name: str) -> None:
         """Note the collective just entered (in the record and in rank<N>.state for crashes and stalls)."""
         with self.lock:
-            if name != "wait":  # waiting on an async op is time inside it, not a new collective
-                self.collective_seq += 1
-                self.group_seq += name not in stall.P2P_OPS
-                self.last_collective = f"{name} #{self.collective_seq}"
-            if self.depth == 0:
-                self.inside = (
-                    self.last_collective if name != "wait" else f"wait on {self.last_collective or 'an op'}"
-                )
-            self.depth += 1
+            self._count(name)
             self.write_state()
+
+    def _count(self, name: str) -> None:
+        if name != "wait":  # waiting on an async op is time inside it, not a new collective
+            self.collective_seq += 1
+            self.group_seq += name not in stall.P2P_OPS
+            self.last_collective = f"{name} #{self.collective_seq}"
+        if self.depth == 0:
+            self.inside = (
+                self.last_collective if name != "wait" else f"wait on {self.last_collective or 'an op'}"
+            )
+        self.depth += 1
 
     def left(self, name: str) -> None:
         """Note that the call entered last returned (or raised)."""
         with self.lock:
-            self.depth = max(0, self.depth - 1)
-            if self.depth == 0:
-                self.inside = None
+            self._uncount()
             self.write_state()
 
+    def _uncount(self) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0:
+            self.inside = None
+
+    def called(self, name: str, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A collective entered with its arguments: counted, and its group and sequence noted
+        for this thread (`megatron_testkit.waits`); returns what to call with its result."""
+        with self.lock:
+            self._count(name)
+            frame = self.waits.enter(name, original, args, kwargs)
+            self.write_state()
+
+        def done(result: Any) -> None:
+            with self.lock:
+                self.waits.leave(frame, result)
+                self._uncount()
+                self.write_state()
+
+        return done
+
+    def waiting(self, work: Any) -> Any:
+        """``Work.wait()`` began: time inside the collective that made ``work``."""
+        with self.lock:
+            self._count("wait")
+            frame = self.waits.enter_wait(work)
+            if self.waits.depth() == 1:  # not inside a collective already (``barrier`` waits on its own op)
+                self.write_state()
+        return frame
+
+    def waited(self, frame: Any) -> None:
+        with self.lock:
+            self.waits.leave(frame)
+            self._uncount()
+            if self.waits.depth() == 0:
+                self.write_state()
+
     def write_state(self) -> None:
-        """rank<N>.state: the last collective, the one the rank is inside, whether it is set up."""
-        stall.write_state(
+        """rank<N>.state: the last collective, the one the rank is inside, each thread's wait
+        (group, sequence number, peer), whether it is set up."""
+        self.state_size = stall.write_state(
             self.state_fd,
             {
                 "last_collective": self.last_collective,
@@ -188,11 +230,14 @@ class _Rank:
                 "ready": self.ready,
                 "ready_at": self.ready_at,
                 "kit_tids": self.kit_tids,
+                **self.waits.state(),
             },
+            self.state_size,
+            self.waits.groups_json(),
         )
 
     def track_collectives(self) -> None:
-        """Wrap torch.distributed's collectives to remember the last one entered.
+        """Wrap torch.distributed's collectives to remember the last one entered and each thread's wait.
 
         Both ``torch.distributed`` and ``distributed_c10d`` are patched before the test module is
         imported, so ``from torch.distributed import all_reduce`` in it sees the wrapper too. The
@@ -200,8 +245,8 @@ class _Rank:
         """
         from megatron_testkit.collectives import CollectiveCounter
 
-        CollectiveCounter(on_enter=self.entered, on_exit=self.left, record=False).install()
-        stall.track_work_waits(self.entered, self.left)
+        CollectiveCounter(on_call=self.called, record=False).install()
+        stall.track_work_waits(self.waiting, self.waited)
 
     # -- memory ------------------------------------------------------------------------------
     def watch_host_memory(self, budget: int, interval: float = 0.02) -> None:
@@ -526,6 +571,7 @@ def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[A
     )
     with state.lock:  # the launcher's timeout counts from here (spawn and imports are load, not the test)
         state.ready, state.ready_at = True, time.time()
+        state.waits.refresh()
         state.write_state()
     return fn, args
 

@@ -41,6 +41,7 @@ from megatron_testkit import (
     cuda_context,
     devices,
     flight_recorder,
+    heartbeat,
     kernel_log,
     machine_ledger,
     procfs,
@@ -49,6 +50,7 @@ from megatron_testkit import (
     rank_worker,
     runner_limit,
     stall,
+    wait_graph,
 )
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
@@ -510,6 +512,11 @@ class _Launch:
         self.machine_ticket: admission.Ticket | None = None
         self.last_dump_request = 0.0
         self.stall_verdict: stall.Stall | None = None
+        # What the heartbeat reports: the phase, then each rank's last position and since when.
+        self.phase = "queued for admission" if self.ledger is not None else "starting ranks"
+        self.last_positions: dict[int, stall.Position] = {}
+        self.seen: dict[int, tuple[Any, float]] = {}
+        self.beat_cpu: dict[int, tuple[float, float]] = {}
         self.subreaper = False  # this process adopts orphans from `start` to `close`
         self.children_before: set[int] = set()
         self.started = time.time()
@@ -571,6 +578,7 @@ class _Launch:
         (capped: `megatron_testkit.rank_log`); from now until `close` this process adopts the
         orphans the ranks leave (`proctree.hold_subreaper`)."""
         threads = self.admit()
+        self.phase = "starting ranks"
         self.spec_path.write_text(json.dumps(self._spec(self.fn, threads)))
         self.spawned, self.spawned_at = time.monotonic(), time.time()
         self.memory.started = self.spawned
@@ -633,6 +641,7 @@ class _Launch:
             if now - last_position > _POSITION_S:
                 last_position = now
                 positions = self.positions(running)
+                self.note_positions(now, positions)
                 if (
                     ready_at is None
                     and len(positions) == len(running)
@@ -651,6 +660,58 @@ class _Launch:
                 self.stop(running, "hung")
                 return True
             time.sleep(_POLL_S)
+
+    def note_positions(self, now: float, positions: dict[int, stall.Position]) -> None:
+        """Keep the ranks' positions, and since when each is where it is, for the heartbeat."""
+        self.phase = "running"
+        for rank, p in positions.items():
+            key = p.waits.key() if p.waits is not None else p.inside
+            if self.seen.get(rank, (object(), 0.0))[0] != key:
+                self.seen[rank] = (key, now)
+        self.last_positions = positions
+
+    def progress(self) -> str:
+        """The heartbeat's status: the phase, or where each rank is (`megatron_testkit.heartbeat`)."""
+        if self.phase != "running":
+            return self.phase
+        now = time.monotonic()
+        positions, seen = dict(self.last_positions), dict(self.seen)
+        by_state: dict[str, list[int]] = {}
+        longest: dict[str, float] = {}
+        for r in self.ranks:
+            p = positions.get(r.rank)
+            if r.status != "running":
+                what = "exited"
+            elif p is None or not p.ready:
+                what = "starting"
+            elif p.waits is not None and p.waits.main is not None:
+                what = f"in {wait_graph.describe(p.waits.main, p.waits.groups)}"
+            elif p.waits is None and p.inside is not None:
+                what = f"in {p.inside}"
+            else:
+                what = self._cpu_state(r.rank, now, p.work)
+            by_state.setdefault(what, []).append(r.rank)
+            if (
+                p is not None
+                and r.rank in seen
+                and what not in ("exited", "starting")
+                and what not in _USER_CODE
+            ):
+                longest[what] = max(longest.get(what, 0.0), now - seen[r.rank][1])
+        parts = []
+        for what, ranks in by_state.items():
+            held = f" for {longest[what]:.0f} s" if what in longest else ""
+            parts.append(f"{heartbeat.ranks_text(ranks)} {what}{held}")
+        return ", ".join(parts)
+
+    def _cpu_state(self, rank: int, now: float, work: float | None) -> str:
+        """``computing`` when the rank used a tenth of a core since the last line, else user code."""
+        before = self.beat_cpu.get(rank)
+        if work is not None:
+            self.beat_cpu[rank] = (work, now)
+        if work is None or before is None or now <= before[1]:
+            return "in user code"
+        return "computing" if (work - before[0]) / (now - before[1]) >= 0.1 else "idle in user code"
 
     def stall_detector(self) -> stall.StallDetector | None:
         """The launch's deadlock watch (None with the stall window off); NCCL ranks are judged by
@@ -939,6 +1000,9 @@ class _Launch:
                 path.unlink(missing_ok=True)
 
 
+# The heartbeat's words for a rank outside any collective (no "for N s": it is not waiting).
+_USER_CODE = frozenset({"in user code", "computing", "idle in user code"})
+
 # How a rank killed for the runner's memory (not its own budget) is named in its record.
 _RUNNER_OOM = "megatron_testkit.RunnerMemoryExceeded"
 
@@ -973,8 +1037,10 @@ def run_ranks(
     from spawn); past it every rank's Python stack is dumped and the launch fails as a hang. ``env`` adds environment variables for the ranks.
     ``budget`` overrides the test's ``memory_budget`` marker. ``stall_window`` (seconds, or None
     for off; default the test's ``stall_window`` marker, else ``KIT_STALL_WINDOW``, else 30 s): when
-    every live rank has been blocked in a collective that long, the launch fails as a ``hang`` at
-    once (`megatron_testkit.stall`). In a session, the launch first waits until the session's
+    ranks have waited for each other in collectives that long (a cycle on the wait-for graph, a
+    wait on an exited rank, a collective mismatch), the launch fails as a ``hang`` at once
+    (`megatron_testkit.stall`, `megatron_testkit.wait_graph`). Past 10 s it prints a progress
+    line every ``KIT_HEARTBEAT`` seconds (`megatron_testkit.heartbeat`). In a session, the launch first waits until the session's
     admission ledger has room for its ranks' budgets (`megatron_testkit.admission`). Raises
     `RankFailure` when any rank fails, `TypeError` when ``fn`` cannot be imported by name in a
     fresh process, `BudgetBelowFootprint` when the host budget is smaller than an idle rank, and
@@ -988,6 +1054,7 @@ def run_ranks(
         from megatron_testkit.torchrun import run_in_torchrun
 
         return run_in_torchrun(fn, world_size, backend=backend, args=args)
+    every = heartbeat.interval()  # KIT_HEARTBEAT, checked before anything is made
     launch = _Launch(
         fn,
         world_size,
@@ -999,6 +1066,8 @@ def run_ranks(
         stall_window=stall_window,
     )
     failure: BaseException | None = None
+    name = launch.test_id.rsplit("::", 1)[-1] if launch.in_test else launch.test_id
+    beat = heartbeat.Heartbeat(name, world_size, launch.progress, every).start()
     try:
         launch.start()
         try:
@@ -1017,6 +1086,7 @@ def run_ranks(
             read = launch.results(records)
             failure, results = (read, []) if isinstance(read, RankFailure) else (None, read)
     finally:
+        beat.stop()
         leaked = launch.close()
     launch.report(records, failure, leaked)
     if failure is not None:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit import procfs
+from megatron_testkit import procfs, wait_graph
+from megatron_testkit.wait_graph import RankWaits
 
 __all__ = [
     "DEFAULT_WINDOW_S",
@@ -58,6 +59,9 @@ MIN_CPU_S = 0.25
 CPU_SHARE = 0.02
 # Point-to-point ops: they have their own sequence, not the group's (NCCL numbers them apart too).
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
+# A rank's state line: padded to a multiple of this (it grows, never cut), read up to the maximum.
+STATE_LINE_BYTES = 512
+MAX_STATE_BYTES = 1 << 20
 
 
 def check_window(value: Any, what: str = "stall_window") -> float | None:
@@ -87,11 +91,12 @@ def default_window(environ: Mapping[str, str] | None = None) -> float | None:
 
 
 # ---- inside a rank -------------------------------------------------------------------------------
-def track_work_waits(on_enter: Callable[[str], None], on_exit: Callable[[str], None]) -> bool:
+def track_work_waits(on_enter: Callable[[Any], Any], on_exit: Callable[[Any], None]) -> bool:
     """Count ``Work.wait()`` of an async collective as time inside it (rank side; True if patched).
 
     ``dist.all_reduce(t, async_op=True)`` returns at once; the rank then blocks in ``work.wait()``,
-    which the collective wrappers never see.
+    which the collective wrappers never see. ``on_enter(work)`` runs before the wait and its
+    result is passed to ``on_exit`` after it.
     """
     try:
         from torch._C._distributed_c10d import Work
@@ -100,11 +105,11 @@ def track_work_waits(on_enter: Callable[[str], None], on_exit: Callable[[str], N
     original = Work.wait
 
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
-        on_enter("wait")
+        token = on_enter(self)
         try:
             return original(self, *args, **kwargs)
         finally:
-            on_exit("wait")
+            on_exit(token)
 
     try:
         Work.wait = wait
@@ -125,12 +130,18 @@ class Position:
     group_seq: int
     ready: bool
     work: float | None
+    # What each thread waits on (group, #k, peer) and the rank's counts: the wait-for graph's
+    # input (`megatron_testkit.wait_graph`); None where the view has none (NCCL's flight recorder).
+    waits: RankWaits | None = None
 
 
 def read_position(run_dir: Path, rank: int, pid: int) -> Position | None:
-    """Rank ``rank``'s position from its state line and /proc; None before it wrote one."""
+    """Rank ``rank``'s position from its state line and /proc; None before it wrote one (or
+    while it rewrites it: the caller keeps the last one)."""
     try:
-        state = json.loads((run_dir / f"rank{rank}.state").read_text().strip() or "null")
+        with open(run_dir / f"rank{rank}.state", "rb") as f:
+            raw = f.read(MAX_STATE_BYTES + 1)
+        state = json.loads(raw.decode().strip() or "null") if len(raw) <= MAX_STATE_BYTES else None
     except (OSError, ValueError):
         return None
     if not isinstance(state, dict):
@@ -141,6 +152,7 @@ def read_position(run_dir: Path, rank: int, pid: int) -> Position | None:
         group_seq=_int(state.get("group_seq")),
         ready=state.get("ready") is True,
         work=_own_cpu(pid, state.get("kit_tids")),
+        waits=wait_graph.parse_waits(state),
     )
 
 
@@ -184,11 +196,14 @@ def nccl_positions(stem: str | os.PathLike[str], ranks: Iterable[int]) -> dict[i
 
 @dataclass(frozen=True)
 class Stall:
-    """A deadlock verdict: the rank to name, why (one line) and where every live rank was."""
+    """A deadlock verdict: the rank to name, why (one line), where every live rank was, and (on
+    the wait-for graph) one line per rank of the deadlock saying whom it waits for and where."""
 
     rank: int
     why: str
     lines: tuple[str, ...]
+    waits: tuple[str, ...] = ()
+    cycle: tuple[int, ...] = ()
 
 
 @dataclass
@@ -199,8 +214,11 @@ class _Watch:
 
 
 class StallDetector:
-    """Per launch: watches each live rank's `Position` and says when they all are blocked.
+    """Per launch: watches each live rank's `Position` and says when ranks deadlock.
 
+    Positions with waits (the host view) are judged on the wait-for graph
+    (`megatron_testkit.wait_graph`); without (NCCL's flight recorder) by the per-rank rule: every
+    live rank inside a collective, one stalled, each stalled or waiting on a stalled rank elsewhere.
     ``min_work`` is the progress that resets a rank's stall clock: on the host view (the default)
     `MIN_CPU_S` plus `CPU_SHARE` of the window, in CPU seconds; one completed op on the flight
     recorder's (pass 0.5).
@@ -211,19 +229,29 @@ class StallDetector:
         self.min_work = MIN_CPU_S + CPU_SHARE * window if min_work is None else min_work
         self.watches: dict[int, _Watch] = {}
         self.exited: set[int] = set()
+        self.last_waits: dict[int, RankWaits | None] = {}  # an exited rank's last known waits
 
     def observe(self, now: float, rank: int, position: Position | None) -> None:
-        """Take rank ``rank``'s position at time ``now`` (None: none known yet)."""
+        """Take rank ``rank``'s position at time ``now`` (None: none known now; a rank seen before
+        keeps its last one, as a state line being rewritten reads as none)."""
         if position is None:
-            self.watches.pop(rank, None)
             return
         watch = self.watches.get(rank)
-        moved = (
-            watch is None
-            or position.inside != watch.position.inside
-            or position.seq != watch.position.seq
-            or position.inside is None
-        )
+        if position.waits is not None:
+            moved = (
+                watch is None
+                or watch.position.waits is None
+                or position.waits.key() != watch.position.waits.key()
+                or position.seq != watch.position.seq
+                or position.waits.main is None
+            )
+        else:
+            moved = (
+                watch is None
+                or position.inside != watch.position.inside
+                or position.seq != watch.position.seq
+                or position.inside is None
+            )
         progressed = (
             watch is not None
             and position.work is not None
@@ -238,18 +266,26 @@ class StallDetector:
     def rank_exited(self, rank: int) -> None:
         """Rank ``rank`` is no longer running (its peers in a collective can never complete it)."""
         self.exited.add(rank)
-        self.watches.pop(rank, None)
+        watch = self.watches.pop(rank, None)
+        if watch is not None:
+            self.last_waits[rank] = watch.position.waits
 
     def stalled(self, now: float, rank: int) -> bool:
-        """Inside a collective with no new collective and no progress for the whole window."""
+        """Inside a collective with no new collective and no progress for the whole window (on the
+        wait-for graph: the main thread inside it)."""
         watch = self.watches.get(rank)
-        return bool(watch and watch.position.inside is not None and now - watch.since >= self.window)
+        if not watch or now - watch.since < self.window:
+            return False
+        waits = watch.position.waits
+        return waits.main is not None if waits is not None else watch.position.inside is not None
 
     def verdict(self, now: float, live: Iterable[int]) -> Stall | None:
-        """A `Stall` when every live rank is blocked and at least one stalled; else None."""
+        """A `Stall` when ranks are deadlocked (the rule of the class docstring); else None."""
         live = sorted(live)
         if not live or any(r not in self.watches for r in live):
             return None
+        if all(self.watches[r].position.waits is not None for r in live):
+            return self._graph_verdict(now, live)
         stalled = {r for r in live if self.stalled(now, r)}
         if not stalled:
             return None
@@ -267,9 +303,43 @@ class StallDetector:
         where = self.watches[root].position.inside
         why = (
             f"deadlock: every live rank blocked in a collective with no progress for {self.window:g} s "
-            f"(the stall window); rank {root} is in {where}"
+            f"(the stall window); rank {root} is in {where}; it entered the fewest of the group's collectives"
         )
         return Stall(root, why, lines)
+
+    def _graph_verdict(self, now: float, live: list[int]) -> Stall | None:
+        blocked = [r for r in live if self.stalled(now, r)]
+        if not blocked:
+            return None
+        views = {**self.last_waits, **{r: self.watches[r].position.waits for r in live}}
+        inside = {r: self.watches[r].position.inside for r in live}
+        judged = wait_graph.judge(self.window, live, blocked, views, self.exited, inside)
+        if judged is None:
+            return None
+        lines = tuple(self._graph_line(now, r) for r in live) + tuple(
+            f"rank {r}: exited" for r in sorted(self.exited)
+        )
+        return Stall(judged.rank, judged.why, lines, judged.waits, judged.cycle)
+
+    def _graph_line(self, now: float, rank: int) -> str:
+        """Where the rank is: its main thread's collective, or user code (with any other thread's)."""
+        watch = self.watches[rank]
+        waits = watch.position.waits
+        assert waits is not None
+        if waits.main is not None:
+            line = self._line(now, rank)
+        else:
+            p = watch.position
+            work = (
+                f", CPU +{p.work - watch.work_at_since:.2f} s"
+                if p.work is not None and watch.work_at_since is not None
+                else ""
+            )
+            line = f"rank {rank}: in user code (its main thread outside any collective){work}"
+        others = [w for w in waits.threads if not w.main]
+        for w in others:
+            line += f"; thread {w.thread!r} in {wait_graph.describe(w, waits.groups)}"
+        return line
 
     def _line(self, now: float, rank: int) -> str:
         watch = self.watches[rank]
@@ -279,14 +349,39 @@ class StallDetector:
             if p.work is not None and watch.work_at_since is not None
             else ""
         )
+        where = ""
+        if p.waits is not None and p.waits.main is not None:
+            where = f"; its main thread in {wait_graph.describe(p.waits.main, p.waits.groups)}"
         return (
             f"rank {rank}: in {p.inside} for {now - watch.since:.1f} s{work}; "
-            f"{p.seq} collectives entered, {p.group_seq} of them the group's"
+            f"{p.seq} collectives entered, {p.group_seq} of them the group's{where}"
         )
 
 
-def write_state(fd: int, fields: Mapping[str, Any], size: int = 511) -> None:
-    """Overwrite a rank's fixed-size state line in place (rank side; never raises for the disk)."""
+def write_state(
+    fd: int, fields: Mapping[str, Any], size: int = STATE_LINE_BYTES, groups: str | None = None
+) -> int:
+    """Overwrite a rank's state line in place (rank side; never raises for the disk); its new size.
+
+    The line is padded to ``size`` bytes and grows (in whole `STATE_LINE_BYTES` blocks) when the
+    state is longer, never cut: a cut line would leave the rank without a position. A state over
+    `MAX_STATE_BYTES` is replaced by a short line that says so (``overflow``), which the launcher
+    reads as a rank whose waits are unknown. ``groups``, if given, is the ``groups`` field already
+    serialised (it only grows: the rank keeps it as JSON rather than dump it at every collective).
+    """
     line = json.dumps(dict(fields), separators=(",", ":"))
+    if groups is not None:
+        line = f'{line[:-1]},"groups":{groups}}}' if len(line) > 2 else f'{{"groups":{groups}}}'
+    if len(line) + 1 > MAX_STATE_BYTES:
+        short = {
+            k: fields[k]
+            for k in ("last_collective", "seq", "group_seq", "inside", "ready", "ready_at", "kit_tids")
+            if k in fields
+        }
+        line = json.dumps({**short, "overflow": len(line)}, separators=(",", ":"))
+    data = line.encode()
+    if len(data) + 1 > size:
+        size = -(-(len(data) + 1) // STATE_LINE_BYTES) * STATE_LINE_BYTES
     with contextlib.suppress(OSError):
-        os.pwrite(fd, line.ljust(size).encode()[:size] + b"\n", 0)
+        os.pwrite(fd, data.ljust(size - 1) + b"\n", 0)
+    return size

@@ -140,3 +140,41 @@ def test_an_oom_before_the_watchdog_fires_is_the_root_cause() -> None:
     watchdog = failed(0, 40.0, signal="SIGABRT", log_tail="Watchdog caught collective operation timeout")
     root = root_cause([watchdog, oom])
     assert (root.rank, root.kind) == (1, "oom")
+
+
+def test_the_kits_own_frames_are_left_out_of_the_stacks_a_failure_shows() -> None:
+    from megatron_testkit.diagnosis import without_kit_frames
+
+    traceback = (
+        "Traceback (most recent call last):\n"
+        '  File "/p/test_x.py", line 31, in body\n'
+        "    dist.barrier()\n"
+        '  File "/site/megatron_testkit/collectives.py", line 150, in counted\n'
+        "    result = original(*args, **kwargs)\n"
+        "             ^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+        '  File "/site/torch/distributed/distributed_c10d.py", line 5356, in barrier\n'
+        "    work.wait()\n"
+        '  File "/site/megatron_testkit/stall.py", line 110, in wait\n'
+        "    return original(self, *args, **kwargs)\n"
+        "RuntimeError: timed out"
+    )
+    assert without_kit_frames(traceback) == (
+        "Traceback (most recent call last):\n"
+        '  File "/p/test_x.py", line 31, in body\n'
+        "    dist.barrier()\n"
+        '  File "/site/torch/distributed/distributed_c10d.py", line 5356, in barrier\n'
+        "    work.wait()\n"
+        "RuntimeError: timed out"
+    )
+    stack = (
+        "Current thread 0x01 (most recent call first):\n"
+        '  File "/site/megatron_testkit/stall.py", line 110 in wait\n'
+        '  File "/site/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        '  File "/site/megatron_testkit/collectives.py", line 150 in counted\n'
+        '  File "/p/test_x.py", line 8 in body'
+    )
+    assert without_kit_frames(stack) == (
+        "Current thread 0x01 (most recent call first):\n"
+        '  File "/site/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        '  File "/p/test_x.py", line 8 in body'
+    )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_testkit import flight_recorder, stall
+from megatron_testkit import flight_recorder, heartbeat, stall
 from megatron_testkit.stall import Position, StallDetector
 
 pytestmark = pytest.mark.L0
@@ -171,3 +171,23 @@ def test_on_nccl_the_flight_recorder_gives_the_position_and_the_progress(tmp_pat
     detector.observe(0.0, 0, positions[0])
     detector.observe(11.0, 0, positions[0])
     assert detector.stalled(11.0, 0)
+
+
+@pytest.mark.parametrize(("raw", "every"), [("", 15.0), ("2", 2.0), (" 0.5 ", 0.5), ("0", None)])
+def test_kit_heartbeat_is_the_interval_and_0_turns_it_off(raw: str, every: float | None) -> None:
+    assert heartbeat.interval({heartbeat.HEARTBEAT_ENV: raw}) == every
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "inf", "nan"])
+def test_a_bad_kit_heartbeat_is_one_line_naming_it(raw: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        heartbeat.interval({heartbeat.HEARTBEAT_ENV: raw})
+    assert str(excinfo.value) == (
+        f"KIT_HEARTBEAT={raw!r}: expected seconds between progress lines (e.g. 15), or 0 for none"
+    )
+
+
+def test_ranks_are_named_in_runs() -> None:
+    assert heartbeat.ranks_text([2]) == "rank 2"
+    assert heartbeat.ranks_text([1, 0]) == "ranks 0-1"
+    assert heartbeat.ranks_text([0, 2, 3, 5]) == "ranks 0, 2-3, 5"
