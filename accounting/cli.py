@@ -11,10 +11,9 @@ within a stated size, see accounting/cli_input.py).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
-
-import torch
 
 from accounting.cli_input import int_list as _int_list
 from accounting.cli_models import UsageError as _UsageError
@@ -22,11 +21,13 @@ from accounting.cli_models import in_range as _in_range
 from accounting.cli_models import model_arguments as _model_arguments
 from accounting.cli_models import model_from_args, plural
 from accounting.cli_models import squares_fit as _squares_fit
-from accounting.flops import flops_from_sums, training_flops
+from accounting.flops import flops_from_sums
 from accounting.memory_cli import add_memory_parser, memory_command
 from accounting.precisions import parse_precision, time_at_peak
-from accounting.seqlens import SeqlenStats, pairs_beyond, seqlen_stats, validate_cu_seqlens
+from accounting.seqlen_fields import FIELDS
+from accounting.seqlen_validate import validate_boundary_list
 from accounting.throughput import lookup_peak
+from accounting.window import pairs_beyond
 
 __all__ = ["main"]
 
@@ -59,8 +60,9 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _stats(args, window: tuple[int, int] | None) -> tuple[SeqlenStats, int, int]:
-    """Statistics of the pack described by the arguments, its pack length and document count."""
+def _stats(args, window: tuple[int, int] | None) -> tuple[dict[str, int], int, int]:
+    """Sums of the pack described by the arguments (`SeqlenStats.to_dict()`'s), its pack length
+    and document count: Python ints, no tensor, so the command answers without importing torch."""
     if args.seq_len is not None:
         _in_range("--seq-len", [args.seq_len], 0)
     if args.docs is None and args.cu_seqlens is None:
@@ -84,20 +86,42 @@ def _stats(args, window: tuple[int, int] | None) -> tuple[SeqlenStats, int, int]
         cu = args.cu_seqlens
         _in_range("--cu-seqlens", cu, -1)
     pack_len = args.seq_len if args.seq_len is not None else max(cu) if cu else 0
-    cu_tensor = torch.tensor(cu, dtype=torch.int64)
     try:
-        validate_cu_seqlens(cu_tensor, pack_len=pack_len)
+        if not cu:
+            raise ValueError("cu_seqlens has shape [0]: each row needs at least the leading 0")
+        row = validate_boundary_list(cu, pack_len=pack_len)
     except ValueError as err:
         raise _UsageError(f"{'--cu-seqlens' if args.cu_seqlens is not None else '--docs'}: {err}") from None
-    stats = seqlen_stats(cu_tensor, pack_len=pack_len, window_size=window)
-    return stats, pack_len, int(stats.num_sequences)
+    sums = _pack_sums([b - a for a, b in itertools.pairwise(row)], pack_len, window)
+    return sums, pack_len, sums["num_sequences"]
+
+
+def _pack_sums(lengths: list[int], pack_len: int, window: tuple[int, int] | None) -> dict[str, int]:
+    """`seqlen_stats(cu, pack_len=pack_len, window_size=window).to_dict()` of one validated pack,
+    from its segment lengths (zero-length ones count nothing): exact ints, under 2**63 once validated."""
+    left, right = window if window is not None else (-1, -1)
+    beyond = [sum(pairs_beyond(s, side) for s in lengths) for side in (left, right)]
+    squared = sum(s * s for s in lengths)
+    sums = dict.fromkeys(FIELDS, 0)
+    sums.update(
+        num_sequences=sum(1 for s in lengths if s),
+        tokens=sum(lengths),
+        squared=squared,
+        padded_tokens=pack_len,
+        padded_squared=squared,
+        beyond_left=beyond[0],
+        beyond_right=beyond[1],
+        padded_beyond_left=beyond[0],
+        padded_beyond_right=beyond[1],
+    )
+    return sums
 
 
 def _dense_pack_flops(shape, pack_len: int, frozen: bool, adapter) -> int:
     """Model FLOPs if the pack were one document of `pack_len` tokens (exact Python ints, no int64)."""
     window = shape.stats_window
     left, right = (pairs_beyond(pack_len, side) for side in window) if window else (0, 0)
-    sums = dict.fromkeys(SeqlenStats.field_names(), 0)
+    sums = dict.fromkeys(FIELDS, 0)
     sums.update(
         num_sequences=1 if pack_len else 0,
         tokens=pack_len,
@@ -129,7 +153,9 @@ def _flops(args) -> int:
     shape, adapter, name = model_from_args(args)
     stats, pack_len, docs = _stats(args, shape.stats_window)
     frozen = adapter is not None
-    result = training_flops(shape, stats, recompute=args.recompute, frozen_base=frozen, adapter=adapter)
+    result = flops_from_sums(
+        shape, stats, window=shape.stats_window, recompute=args.recompute, frozen_base=frozen, adapter=adapter
+    )
     dense = _dense_pack_flops(shape, pack_len, frozen, adapter)
     over = dense / result.total - 1 if result.total else 0.0
     at_peak = _at_peak(args, result.terms)
@@ -140,9 +166,9 @@ def _flops(args) -> int:
                     "preset": args.preset,
                     "hf_config": args.hf_config,
                     "num_documents": docs,
-                    "tokens": int(stats.tokens),
+                    "tokens": stats["tokens"],
                     "pack_len": pack_len,
-                    "squared": int(stats.squared),
+                    "squared": stats["squared"],
                     "recompute": args.recompute,
                     "frozen_base": frozen,
                     "adapter": None
@@ -160,7 +186,7 @@ def _flops(args) -> int:
         )
         return 0
     print(
-        f"{name}: {plural(docs, 'document')}, {plural(int(stats.tokens), 'real token')} in a pack of {pack_len}"
+        f"{name}: {plural(docs, 'document')}, {plural(stats['tokens'], 'real token')} in a pack of {pack_len}"
     )
     if adapter is not None:
         print(f"frozen base, LoRA rank {adapter.rank} on {', '.join(adapter.targets)}")
@@ -172,7 +198,8 @@ def _flops(args) -> int:
     print(f"{'total':<24}{result.total:>16.4e}{result.hardware_total:>18.4e}")
     print(f"model FLOPs (exact): {result.total}")
     print(f"hardware FLOPs (exact): {result.hardware_total}")
-    per_token = f"{result.total / int(stats.tokens):.4e}" if int(stats.tokens) else "n/a"
+    tokens = stats["tokens"]
+    per_token = f"{result.total / tokens:.4e}" if tokens else "n/a"
     print(f"model FLOPs per token: {per_token}")
     print(f"pack_len^2 count: {dense:.4e} (over-reports model FLOPs by {over:+.2%})")
     if at_peak is not None:

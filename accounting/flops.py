@@ -22,12 +22,12 @@ pass that activation recomputation repeats.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accounting.adapters import LoraAdapter, adapter_macs_per_token
 from accounting.hybrid import mamba_forward_flops_per_token, parse_hybrid_pattern
 from accounting.linear_attention import GDN_VARIANTS, gdn_forward_flops_per_token, linear_layer_pattern
-from accounting.seqlens import SeqlenStats, describe_malformed, normalize_window
+from accounting.seqlen_fields import describe_malformed
 from accounting.sparse_attention import (
     DSA_VARIANT,
     absorbed_pair_macs,
@@ -36,6 +36,10 @@ from accounting.sparse_attention import (
     loss_target_pair_macs,
     topk_window,
 )
+from accounting.window import normalize_window
+
+if TYPE_CHECKING:  # the statistics' module imports torch: loaded where a tensor first appears
+    from accounting.seqlens import SeqlenStats
 
 __all__ = ["TERMS", "FlopsBreakdown", "ModelShape", "flops_from_sums", "training_flops"]
 
@@ -769,6 +773,8 @@ def training_flops(
     instead of 3x; core attention has no weights and keeps 3x. `adapter` (a `LoraAdapter`) adds
     the `adapter` term, trainable, 3x its forward.
     """
+    from accounting.seqlens import SeqlenStats  # loaded already wherever statistics were made
+
     if not isinstance(stats, SeqlenStats):
         raise ValueError(
             f"training_flops: stats must be a SeqlenStats (from seqlen_stats or SeqlenStats.dense), "

@@ -7,7 +7,7 @@ value for value. No torch here: the host path imports it without touching a kern
 
 from __future__ import annotations
 
-__all__ = ["FIELDS", "INT64_LIMIT", "KINDS", "MALFORMED", "MALFORMED_AT", "wrap_int64"]
+__all__ = ["FIELDS", "INT64_LIMIT", "KINDS", "MALFORMED", "MALFORMED_AT", "describe_malformed", "wrap_int64"]
 
 # What makes a row of boundaries malformed, by the name of its `SeqlenStats.malformed_<kind>`
 # counter, with the words an error message uses. The sync-free statistics count the rows of each
@@ -53,3 +53,12 @@ _MASK = 2**64 - 1
 def wrap_int64(value: int) -> int:
     """`value` as an int64 sum holds it: modulo 2**64, in [-2**63, 2**63)."""
     return ((value + 2**63) & _MASK) - 2**63
+
+
+def describe_malformed(values: dict[str, int]) -> str:
+    """One sentence on the malformed-row counters of `SeqlenStats.to_dict()` values."""
+    kinds = "; ".join(
+        f"{values[f'malformed_{k}']} with {MALFORMED[k]}" for k in MALFORMED if values[f"malformed_{k}"]
+    )
+    rows = values["malformed_rows"]
+    return f"{rows} malformed boundary row{'s' if rows != 1 else ''} ({kinds}): the sums are wrong"

@@ -6,15 +6,18 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from accounting.boundaries import check_shape
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["validate_cu_seqlens"]
+__all__ = ["validate_boundary_list", "validate_cu_seqlens"]
 
 
 def _as_rows(cu: torch.Tensor, name: str) -> torch.Tensor:
     """2-D view of a 1-D or 2-D boundary tensor; rejects what metadata alone shows to be wrong."""
+    from accounting.boundaries import check_shape  # torch: only where a tensor is validated
+
     return cu if len(check_shape(cu, name)) == 2 else cu.unsqueeze(0)
 
 
@@ -24,10 +27,20 @@ def _where(name: str, row: int, col: int, two_d: bool) -> str:
 
 def _check_rows(cu: torch.Tensor, name: str, pack_len: int | None) -> list[list[int]]:
     """Validates one boundary tensor and returns its rows with the padding tail resolved."""
-    rows = _as_rows(cu, name)
-    two_d = cu.dim() == 2
+    return _check_lists(_as_rows(cu, name).tolist(), name, pack_len, cu.dim() == 2)
+
+
+def validate_boundary_list(cu: list[int], *, pack_len: int | None, name: str = "cu_seqlens") -> list[int]:
+    """`validate_cu_seqlens` of one row of boundaries given as Python ints (no torch); returns the
+    row with its `-1` tail resolved to the last boundary (the command line's packs)."""
+    rows = _check_lists([cu], name, pack_len, False)
+    _check_squares(rows, name, False)
+    return rows[0]
+
+
+def _check_lists(rows: list[list[int]], name: str, pack_len: int | None, two_d: bool) -> list[list[int]]:
     resolved = []
-    for r, row in enumerate(rows.tolist()):
+    for r, row in enumerate(rows):
         at = lambda c, r=r: _where(name, r, c, two_d)  # noqa: E731
         if row[0] != 0:
             raise ValueError(f"{at(0)} = {row[0]}: the first boundary must be 0")

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 
 from accounting.boundaries import check_boundaries, check_pack_len, on_host
-from accounting.seqlen_fields import FIELDS, MALFORMED, wrap_int64
+from accounting.seqlen_fields import FIELDS, MALFORMED, describe_malformed, wrap_int64
 from accounting.seqlen_host import host_values
 from accounting.seqlen_kernels import row_columns
 from accounting.seqlen_validate import validate_cu_seqlens
+from accounting.window import Window, normalize_window, pairs_beyond
 
 __all__ = [
     "MALFORMED",
@@ -38,40 +39,6 @@ __all__ = [
     "seqlen_stats_vector",
     "validate_cu_seqlens",
 ]
-
-Window = tuple[int, int]
-
-
-def normalize_window(window_size: int | tuple[int, int] | list[int] | None) -> Window | None:
-    """`window_size` as `(left, right)` with -1 for unbounded, or None when no side is bounded."""
-    if window_size is None:
-        return None
-    if isinstance(window_size, bool):
-        raise ValueError(f"window_size = {window_size!r}: expected an int or a (left, right) pair of ints")
-    if isinstance(window_size, int):
-        window_size = (window_size, 0)
-    try:
-        left, right = window_size
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"window_size = {window_size!r}: expected an int or a (left, right) pair of ints"
-        ) from None
-    for side, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            raise ValueError(
-                f"window_size = {tuple(window_size)!r}: the {side} size must be an int >= 0, or -1 for unbounded"
-            )
-    if left == -1 and right == -1:
-        return None
-    return (left, right)
-
-
-def pairs_beyond(length: int, side: int) -> int:
-    """The (query, key) pairs of one document of `length` tokens more than `side` apart (-1: none)."""
-    if side < 0:
-        return 0
-    m = max(0, length - 1 - side)
-    return m * (m + 1) // 2
 
 
 def to_device(vector: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
@@ -252,15 +219,6 @@ _SLOT_SETTERS = tuple(
 
 def _from_vector_kw(vector: torch.Tensor, window: Window | None) -> SeqlenStats:
     return SeqlenStats.from_vector(vector, window=window)
-
-
-def describe_malformed(values: dict[str, int]) -> str:
-    """One sentence on the malformed-row counters of `SeqlenStats.to_dict()` values."""
-    kinds = "; ".join(
-        f"{values[f'malformed_{k}']} with {MALFORMED[k]}" for k in MALFORMED if values[f"malformed_{k}"]
-    )
-    rows = values["malformed_rows"]
-    return f"{rows} malformed boundary row{'s' if rows != 1 else ''} ({kinds}): the sums are wrong"
 
 
 def seqlen_stats(

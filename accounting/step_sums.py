@@ -3,12 +3,12 @@
 One microbatch's statistics are refused when its own sums could wrap (the `int64` malformed kind),
 but a step adds its microbatches' vectors, and `resolve` adds the data-parallel ranks' with one
 int64 SUM all-reduce: valid microbatches can pass 2**63 together, and the sum wraps silently.
-So every sum carries, field by field, `Σ (addend >> 32)`: the addends' high words. Each is below
-2**31 in size, so their sum cannot wrap for fewer than 2**32 addends, and the all-reduce sums them
-with the statistics (one tensor, one collective). With the exact sum `T = Σ addends` and the int64
-sum `W`: `T >> 32` lies in `[high, high + addends)`, and a wrap past 2**63 takes 2**32 from `W >> 32`,
-so the sum wrapped upward exactly when `(W >> 32) < high` (a field summed without a wrap never
-is). Deciding that is one comparison, kept on the device until someone reads the statistics: a
+So every sum carries, field by field, `Σ (addend >> 32)`: the addends' high words (a host total,
+summed exactly in Python, is one addend). An int64 addend's is below 2**31 in size, so their sum
+cannot wrap, and the all-reduce sums them with the statistics (one tensor, one collective). With
+the exact sum `T = Σ addends` and the int64 sum `W`: `T >> 32` lies in `[high, high + addends)`,
+and each wrap past 2**63 takes 2**64 from `W`, 2**32 from `W >> 32`; for fewer than 2**32 addends
+the sum wrapped upward exactly when `(W >> 32) < high` (a field summed without a wrap never is). Deciding that is one comparison, kept on the device until someone reads the statistics: a
 wrapped sum is then one more malformed row of the `int64` kind, which `step` and `training_flops`
 refuse. (A downward wrap needs negative addends, which only malformed rows give: refused already.)
 """

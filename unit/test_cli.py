@@ -248,3 +248,56 @@ def test_one_document_and_one_token_read_in_the_singular(capsys):
 
     assert main(["flops", "--preset", "llama3-8b", "--cu-seqlens", "0,1", "--seq-len", "4"]) == 0
     assert "llama3-8b: 1 document, 1 real token in a pack of 4" in capsys.readouterr().out
+
+
+HF_CONFIG = str(Path(__file__).parent / "data" / "hf_configs" / "llama3-70b.json")
+# The command's paths that involve no tensor: a preset, --docs, --cu-seqlens, --seq-len alone, an
+# HF config, the memory estimate; and a bad argument (exit 2).
+NO_TENSOR = [
+    ("flops", "--preset", "llama3-8b", "--docs", "4096,2048,1024,1024"),
+    ("flops", "--preset", "llama3-8b", "--cu-seqlens", "0,4096,6144,-1", "--seq-len", "8192", "--json"),
+    ("flops", "--preset", "gpt3-175b", "--seq-len", "2048", "--device", "H100", "--precision", "linear=fp8"),
+    ("flops", "--hf-config", HF_CONFIG, "--docs", "100,200"),
+    ("memory", "--preset", "llama3-8b", "--seq-len", "4096", "--tp", "2", "--json"),
+    ("memory", "--hf-config", HF_CONFIG, "--seq-len", "4096"),
+    ("flops", "--preset", "llama3-8b", "--cu-seqlens", "0,5,3"),
+]
+
+
+@pytest.mark.parametrize("args", NO_TENSOR, ids=lambda a: " ".join(a[:4]))
+def test_the_cli_answers_without_importing_torch_where_no_tensor_is_involved(args):
+    # In a fresh interpreter: the command's own entry, then what it loaded. numpy neither (torch's
+    # import was most of the 2.3-5.5 s a new user waited for arithmetic; numpy is the next).
+    code = (
+        "import json, sys\n"
+        "from accounting.cli import main\n"
+        "code = main(json.loads(sys.argv[1]))\n"
+        "print(json.dumps([code, sorted(m for m in ('torch', 'numpy') if m in sys.modules)]), file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(list(args))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    exit_code, loaded = json.loads(result.stderr.strip().splitlines()[-1])
+    assert exit_code == (2 if args[-1] == "0,5,3" else 0), result.stdout + result.stderr
+    assert loaded == [], result.stderr
+    assert result.stdout or exit_code == 2
+
+
+def test_import_accounting_is_cheap_and_torch_comes_with_the_first_tensor_api():
+    code = (
+        "import sys\n"
+        "import accounting\n"
+        "from accounting import ModelShape, training_flops, memory_estimate, IntervalThroughput\n"
+        "cheap = 'torch' in sys.modules\n"
+        "from accounting import SeqlenStats\n"
+        "stats = SeqlenStats.dense(2, 8)\n"
+        "print(cheap, 'torch' in sys.modules, int(stats.squared), type(stats.squared).__module__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.stdout.split() == ["False", "True", "128", "torch"], result.stdout + result.stderr

@@ -236,7 +236,10 @@ def _merge_steps(tests: int, processes: int = 2) -> int:
             rank // 2,
             rank,
             Path(f"node{rank // 2}/rank{rank}/kit-report.json"),
-            {"session": {"host": "h"}, "tests": [_row(f"t.py::test_{i}", "passed", rank) for i in range(tests)]},
+            {
+                "session": {"host": "h"},
+                "tests": [_row(f"t.py::test_{i}", "passed", rank) for i in range(tests)],
+            },
         )
         for rank in range(processes)
     ]
