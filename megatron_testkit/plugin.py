@@ -70,6 +70,8 @@ _MARKERS = (
     "leak_guard: apply the kit's leak guard to this test although it launches no ranks",
     "stall_window(seconds): a launch whose live ranks are all blocked in collectives this long is a hang "
     "(None: off; default KIT_STALL_WINDOW or 30 s)",
+    "fresh_interpreter: the test's launches spawn every rank as a fresh interpreter, never forked from "
+    "the warm parent",
 )
 _LEAK_GUARD_MODES = ("ranks", "all", "off")
 _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
@@ -102,6 +104,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "KIT_ALLOWED_SKIPS (megatron_testkit.skips); off by default, so a project's plain skips print nothing",
         type="bool",
         default=False,
+    )
+    parser.addini(
+        "kit_warm_preload",
+        "modules the warm parent imports besides torch and torch.distributed, one per line (ranks "
+        "forked from it find them imported; KIT_WARM_PRELOAD adds more, comma-separated)",
+        type="linelist",
+        default=[],
     )
     parser.addini(
         "kit_require_tier",
@@ -331,6 +340,9 @@ def pytest_configure(config: pytest.Config) -> None:
     _leak_guard_mode(config)  # a bad value is a usage error now, not in the first test's teardown
     _register_skip_policy(config)
     _check_kit_environment()
+    from megatron_testkit import warm_start
+
+    warm_start.set_ini_preload(config.getini("kit_warm_preload"))
     if not config.pluginmanager.has_plugin("kit-golden"):  # kit_metrics, golden values (its module)
         config.pluginmanager.register(golden_plugin, "kit-golden")
     # Saved and restored: a pytester session run in-process must not redirect the outer one's logs.
@@ -500,6 +512,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         context.stall_window = _stall_window_of(window)
     gpu = item.get_closest_marker("gpu") is not None
     if context is not None:
+        context.fresh_interpreter = item.get_closest_marker("fresh_interpreter") is not None
         context.gpu = gpu  # run_ranks gives NCCL and the GPUs only to `gpu` tests
     if not gpu:
         return

@@ -28,13 +28,15 @@ from megatron_testkit.metrics import TestMetrics
 # ``skip_summary``; memory admission (megatron_testkit.admission): a launch's and a test's
 # ``queued_s``, ``admitted_bytes`` and ``setup_s``, the session's ``admission_*`` figures (limit,
 # peak admitted).
-REPORT_VERSION = 3
+# 4: a launch's ``start_mode`` (warm, cold, mixed) and ``start_reason`` (megatron_testkit.warm_start).
+REPORT_VERSION = 4
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
 # admission.
-READ_VERSIONS = (1, 2, 3)
+READ_VERSIONS = (1, 2, 3, 4)
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
+START_MODES = ("warm", "cold", "mixed")
 OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
 
 # Bounds on what a report read back may hold. A report comes from a CI artifact, which a fork's
@@ -65,7 +67,7 @@ class SchemaError(ValueError):
 
 
 class ReportError(JsonInputError):
-    """A report that is missing, too large, not JSON, or not a well-formed kit report (versions 1 to 3)."""
+    """A report that is missing, too large, not JSON, or not a well-formed kit report (versions 1 to 4)."""
 
 
 def read_report(path: str | os.PathLike[str]) -> Report:
@@ -156,6 +158,11 @@ class Run:
     # Seconds from spawn until every rank's process group was up (Python, torch, the test's module,
     # the rendezvous): the launch timeout counts from there. None when they never all got there.
     setup_s: float | None = None
+    # How the ranks started: "warm" (forked from the warm parent), "cold" (spawned), "mixed" (the
+    # parent refused a later rank), and why (the reason it went cold; on a warm start, the preloads
+    # that failed). None before version 4.
+    start_mode: str | None = None
+    start_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The launch as plain JSON types."""
@@ -167,8 +174,9 @@ class Run:
         values = {f.name: data.get(f.name) for f in fields(cls) if f.name in data}
         values["ranks"] = [RankPeak.from_json(r) for r in data.get("ranks") or []]
         values["failure"] = Failure.from_json(data["failure"]) if data.get("failure") else None
-        for key in ("device", "platform"):
+        for key in ("device", "platform", "start_reason"):
             values[key] = values[key] if isinstance(values.get(key), str) else None
+        values["start_mode"] = values.get("start_mode") if values.get("start_mode") in START_MODES else None
         for key in ("queued_s", "setup_s"):
             values[key] = float(values[key]) if _is_number(values.get(key)) else None
         values["admitted_bytes"] = (

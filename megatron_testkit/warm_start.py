@@ -1,0 +1,414 @@
+"""Warm starts: ranks forked from a warm parent (`megatron_testkit.warm_parent`) instead of spawned.
+
+Each process that launches ranks owns at most one warm parent per interpreter and preload set,
+started at its first launch as its child, and ended with it (a lifeline pipe on the parent's stdin,
+and ``PR_SET_PDEATHSIG``). A launch goes warm only when nothing speaks against it; otherwise it
+starts cold (spawned, as before) and says why (`cold_reason`, `env_refusal`, the parent's own
+refusal before each fork). The launcher sees a forked rank through `ForkedRank`, which answers as
+much of ``subprocess.Popen`` as the launcher uses; its exit status comes from the parent, which
+reaped it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WARM_ENV = "KIT_WARM_START"  # 0: every launch starts cold
+PRELOAD_ENV = "KIT_WARM_PRELOAD"  # modules the warm parent imports besides torch, comma-separated
+BASE_PRELOAD = ("torch", "torch.distributed")
+# How long the first launch waits for its warm parent to import its preload set.
+_START_TIMEOUT_S = 180.0
+_MAX_MESSAGE = 1 << 16
+
+# Variables a launch may set or change and still fork from the warm parent: read after the fork
+# (by the rank's own set-up, the process group, NCCL, the CUDA driver at its first use), or the
+# parent's own thread settings, which the rank sets again after the fork. Any other difference
+# between the rank's environment and the parent's could have been read at import: cold.
+ALLOWED_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "OMP_NUM_THREADS",
+        "OPENBLAS_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "PYTHONUNBUFFERED",
+        "PYTHONFAULTHANDLER",
+        "PYTEST_CURRENT_TEST",
+        "PYTEST_XDIST_WORKER",
+        "PYTEST_XDIST_WORKER_COUNT",
+        "PYTEST_XDIST_TESTRUNUID",
+    }
+)
+ALLOWED_ENV_PREFIXES = ("KIT_", "TORCH_NCCL_", "NCCL_")
+# Set in the warm parent before torch loads: numpy's OpenBLAS starts a thread pool at import
+# otherwise, and a process with threads must not fork.
+PARENT_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+_ini_preload: tuple[str, ...] = ()
+_lock = threading.Lock()
+_parents: dict[tuple[str, tuple[str, ...]], WarmParent] = {}
+_reported: set[str] = set()  # preload failures already warned about in this process
+
+
+class WarmPreloadWarning(UserWarning):
+    """A module of the warm preload set failed to import (the parent serves without it)."""
+
+
+def set_ini_preload(modules: list[str]) -> None:
+    """The project's ``kit_warm_preload`` ini lines (set by the plugin)."""
+    global _ini_preload
+    _ini_preload = tuple(m.strip() for m in modules if m.strip())
+
+
+def preload_set(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """torch, torch.distributed, then the ini's modules and ``KIT_WARM_PRELOAD``'s, in order, once each."""
+    environ = os.environ if environ is None else environ
+    extra = [m.strip() for m in environ.get(PRELOAD_ENV, "").split(",") if m.strip()]
+    out: list[str] = []
+    for name in (*BASE_PRELOAD, *_ini_preload, *extra):
+        if name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def cold_reason(*, fresh_interpreter: bool, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why a launch must start cold whatever its environment; None when it may go warm."""
+    environ = os.environ if environ is None else environ
+    if environ.get(WARM_ENV, "1").strip() == "0":
+        return f"{WARM_ENV}=0"
+    if fresh_interpreter:
+        return "the test is marked fresh_interpreter"
+    if not sys.platform.startswith("linux") or not hasattr(socket, "send_fds"):
+        return "warm starts need Linux"
+    if environ.get("KIT_RANK_CGROUP"):
+        return (
+            "KIT_RANK_CGROUP: pages a forked rank shares with its parent stay charged to the parent's cgroup"
+        )
+    if environ.get("KIT_HOST_MEMORY"):
+        return "KIT_HOST_MEMORY: the runner-memory watcher finds ranks by their command line and environment"
+    return None
+
+
+def env_refusal(rank_env: Mapping[str, str], parent_env: Mapping[str, str]) -> str | None:
+    """The variables the rank's environment sets, changes or drops that a preloaded module may
+    have read at import (not in `ALLOWED_ENV`); None when there are none."""
+    keys = sorted(
+        key
+        for key in set(rank_env) | set(parent_env)
+        if rank_env.get(key) != parent_env.get(key)
+        and key not in ALLOWED_ENV
+        and not key.startswith(ALLOWED_ENV_PREFIXES)
+    )
+    if not keys:
+        return None
+    shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+    return f"the ranks' environment differs from the warm parent's in {shown} (a preloaded module may read it at import)"
+
+
+class ForkedRank:
+    """A rank forked by the warm parent, as the launcher sees it: ``pid``, ``returncode``, ``poll``,
+    ``wait``, ``send_signal``, ``kill``. The parent reaps it and sends its exit status over the
+    connection, which is also the rank's lifeline: closed, the parent kills the rank."""
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.returncode: int | None = None
+        self.orphans: list[int] = []  # re-parented to the warm parent when this rank died
+
+    def _read(self, timeout: float = 0.0) -> None:
+        while True:
+            try:
+                ready, _, _ = select.select([self.sock], [], [], timeout)
+            except (OSError, ValueError):
+                ready = []
+            if not ready:
+                return
+            timeout = 0.0
+            try:
+                data = self.sock.recv(_MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:  # the parent died: its ranks died with it (PR_SET_PDEATHSIG)
+                if self.returncode is None:
+                    self.returncode = -signal.SIGKILL
+                self.sock.close()
+                return
+            with contextlib.suppress(ValueError):
+                message = json.loads(data)
+                if isinstance(message.get("exit"), int):
+                    self.returncode = message["exit"]
+                if isinstance(message.get("orphan"), int):
+                    self.orphans.append(message["orphan"])
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.sock.fileno() >= 0:
+            self._read()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 0.1 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(f"forked rank {self.pid}", timeout or 0.0)
+            if self.sock.fileno() >= 0:
+                self._read(min(left, 0.1))
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def adopted(self) -> list[int]:
+        """Orphans of this rank that the parent handed over (read what arrived first)."""
+        if self.sock.fileno() >= 0:
+            self._read()
+        return list(self.orphans)
+
+    def release(self) -> None:
+        """Close the connection: a rank still running is killed by the parent."""
+        if self.sock.fileno() >= 0:
+            self._read()
+            self.sock.close()
+
+
+class WarmRefused(Exception):
+    """The warm parent would not fork (why: the message); the launch starts cold."""
+
+
+@dataclass
+class WarmParent:
+    """One warm parent as its owner sees it: the process, its socket, what it preloaded."""
+
+    proc: subprocess.Popen
+    folder: str
+    socket_path: str
+    preload: tuple[str, ...]
+    env: dict[str, str]
+    preloaded: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    refusal: str | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def note(self) -> str | None:
+        """What the report says about this parent on a warm launch: the preloads that failed."""
+        if not self.failed:
+            return None
+        return "preload failed: " + "; ".join(f"{k} ({v})" for k, v in self.failed.items())
+
+    def fork(self, env: Mapping[str, str], log_fd: int, spec: str, tag: str) -> ForkedRank:
+        """Ask for one rank; `WarmRefused` when the parent refuses or cannot be reached."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(self.socket_path)
+            request = {"op": "fork", "env": dict(env), "cwd": os.getcwd(), "spec": spec, "tag": tag}
+            socket.send_fds(sock, [json.dumps(request).encode()], [log_fd])
+            ready, _, _ = select.select([sock], [], [], 30.0)
+            data = sock.recv(_MAX_MESSAGE) if ready else b""
+        except OSError as exc:
+            sock.close()
+            raise WarmRefused(f"the warm parent could not be reached: {exc}") from None
+        try:
+            reply = json.loads(data) if data else {}
+        except ValueError:
+            reply = {}
+        if isinstance(reply.get("pid"), int):
+            return ForkedRank(sock, reply["pid"])
+        sock.close()
+        raise WarmRefused(str(reply.get("cold") or reply.get("error") or "the warm parent did not answer"))
+
+    def stop(self) -> None:
+        """Close the lifeline: the parent kills its ranks and exits."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def parent_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment the warm parent starts with: the owner's, without the session's ledger
+    (ranks never join it), with one thread per library."""
+    env = dict(os.environ if environ is None else environ)
+    env.pop("KIT_ADMISSION_DIR", None)
+    env.update(PARENT_ENV)
+    return env
+
+
+def _start(preload: tuple[str, ...]) -> WarmParent:
+    folder = tempfile.mkdtemp(prefix="kit-warm-")
+    socket_path = os.path.join(folder, "parent.sock")
+    config = {
+        "owner": os.getpid(),
+        "socket": socket_path,
+        "preload": list(preload),
+        "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
+    }
+    env = parent_environment()
+    log = open(os.path.join(folder, "parent.log"), "wb")  # noqa: SIM115 (the parent writes it)
+    try:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from megatron_testkit.warm_parent import serve; serve(sys.argv[1])",
+                json.dumps(config),
+                "kit-warm-parent",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
+    finally:
+        log.close()
+    parent = WarmParent(proc, folder, socket_path, preload, env)
+    _exempt(proc.pid)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], _START_TIMEOUT_S)
+    line = proc.stdout.readline() if ready else b""
+    try:
+        hello = json.loads(line) if line else None
+    except ValueError:
+        hello = None
+    if not isinstance(hello, dict):
+        parent.stop()
+        tail = (
+            Path(folder, "parent.log").read_bytes()[-600:].decode(errors="replace")
+            if Path(folder).exists()
+            else ""
+        )
+        raise WarmRefused(f"the warm parent did not start: {tail.strip().splitlines()[-1:] or 'no output'}")
+    parent.preloaded = list(hello.get("preloaded") or [])
+    parent.failed = {str(k): str(v) for k, v in (hello.get("failed") or {}).items()}
+    parent.refusal = hello.get("refusal")
+    for name, why in parent.failed.items():
+        if name not in _reported:
+            _reported.add(name)
+            warnings.warn(
+                WarmPreloadWarning(
+                    f"warm start: preloading {name} failed ({why}); the warm parent serves without it"
+                ),
+                stacklevel=2,
+            )
+    return parent
+
+
+def parent_for(preload: tuple[str, ...]) -> WarmParent:
+    """This process' warm parent for ``preload`` (started now if there is none or it died)."""
+    key = (sys.executable, preload)
+    with _lock:
+        parent = _parents.get(key)
+        if parent is not None and parent.alive():
+            return parent
+        if parent is not None:
+            parent.stop()
+            _unexempt(parent.pid)
+        parent = _start(preload)
+        _parents[key] = parent
+        return parent
+
+
+def parent_pids() -> set[int]:
+    """The pids of this process' warm parents (exempt from the leak guard, never adopted orphans)."""
+    return {p.pid for p in _parents.values()}
+
+
+def _exempt(pid: int) -> None:
+    from megatron_testkit import proctree
+
+    proctree.EXEMPT_PIDS.add(pid)
+
+
+def _unexempt(pid: int) -> None:
+    from megatron_testkit import proctree
+
+    proctree.EXEMPT_PIDS.discard(pid)
+
+
+@atexit.register
+def stop_all() -> None:
+    """End every warm parent of this process (also done by their lifelines when it dies)."""
+    with _lock:
+        for key, parent in list(_parents.items()):
+            with contextlib.suppress(Exception):
+                parent.stop()
+            _unexempt(parent.pid)
+            del _parents[key]
+
+
+@dataclass
+class StartPlan:
+    """How a launch starts: the warm parent to fork from (None: cold) and why (cold, or a warm note)."""
+
+    parent: WarmParent | None
+    reason: str | None
+
+    @property
+    def mode(self) -> str:
+        return "warm" if self.parent is not None else "cold"
+
+
+def plan(rank_env: Mapping[str, str], *, fresh_interpreter: bool) -> StartPlan:
+    """Warm when nothing speaks against it, else cold with the reason."""
+    reason = cold_reason(fresh_interpreter=fresh_interpreter)
+    if reason is not None:
+        return StartPlan(None, reason)
+    try:
+        parent = parent_for(preload_set())
+    except WarmRefused as exc:
+        return StartPlan(None, str(exc))
+    reason = env_refusal(rank_env, parent.env)
+    if reason is not None:
+        return StartPlan(None, reason)
+    if parent.refusal:
+        return StartPlan(None, parent.refusal)
+    if not parent.preloaded:
+        return StartPlan(None, parent.note() or "the warm parent preloaded nothing")
+    return StartPlan(parent, parent.note())
