@@ -68,7 +68,9 @@ def release_subreaper() -> None:
 def adopted_since(before: set[int], own: set[int]) -> list[int]:
     """This process' children that were not its children in `before` and are not in `own` (the
     ranks it spawned): orphans of a launch re-parented here while it was a subreaper."""
-    return [pid for pid in procfs.children() if pid not in before and pid not in own and pid not in EXEMPT_PIDS]
+    return [
+        pid for pid in procfs.children() if pid not in before and pid not in own and pid not in EXEMPT_PIDS
+    ]
 
 
 def reap(pids: list[int]) -> None:

@@ -204,6 +204,11 @@ class Launch:
     peak_host_bytes: int | None = None
     peak_device_bytes: int | None = None
     caught: bool = False
+    # Version 4: warm, cold or mixed, why, and seconds from the request until every rank's process
+    # group was up (the launch's start time); None in older reports.
+    start_mode: str | None = None
+    start_reason: str | None = None
+    setup_s: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -231,6 +236,9 @@ class Launch:
             first_line=failure.first_line if failure else "",
             peak_host_bytes=_max_of([r.peak_host_bytes for r in run.ranks]),
             peak_device_bytes=_max_of([r.peak_device_bytes for r in run.ranks]),
+            start_mode=run.start_mode,
+            start_reason=run.start_reason,
+            setup_s=run.setup_s,
         )
 
     @classmethod
@@ -245,6 +253,11 @@ class Launch:
         values["kind"] = str(values["kind"]) if values.get("kind") else None
         values["first_line"] = str(values.get("first_line") or "")
         values["caught"] = values.get("caught") is True
+        values["start_mode"] = values.get("start_mode") if values.get("start_mode") in START_MODES else None
+        values["start_reason"] = (
+            values["start_reason"] if isinstance(values.get("start_reason"), str) else None
+        )
+        values["setup_s"] = float(values["setup_s"]) if _is_number(values.get("setup_s")) else None
         values.setdefault("world_size", 0)
         values.setdefault("backend", "")
         values.setdefault("seed", 0)
@@ -605,6 +618,8 @@ def _check_value(value: Any, kind: Any, where: str, name: str) -> Any:
             raise SchemaError(f"{where} is not text of at most {limit} characters")
         if name == "outcome" and value not in OUTCOMES:
             raise SchemaError(f"{where} is not one of {', '.join(OUTCOMES)}")
+        if name == "start_mode" and value not in START_MODES:
+            raise SchemaError(f"{where} is not one of {', '.join(START_MODES)}")
     return value
 
 

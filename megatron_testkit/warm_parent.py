@@ -36,6 +36,13 @@ _PR_SET_CHILD_SUBREAPER = 36
 # Exit code of a forked rank whose parent died before it could ask to die with it.
 ORPHAN_EXIT = 87
 _MAX_MESSAGE = 1 << 20
+# What every rank imports before the test's module (`megatron_testkit.rank_worker`'s set-up).
+_KIT_MODULES = (
+    "megatron_testkit.rank_worker",
+    "megatron_testkit.collectives",
+    "megatron_testkit.golden",
+    "numpy",
+)
 _SCAN_S = 0.1  # how often new orphans are looked for
 # cuDeviceGetCount's answer when cuInit was never called: the driver is loaded but not initialised.
 _CUDA_ERROR_NOT_INITIALIZED = 3
@@ -326,7 +333,6 @@ def run_rank(request: dict[str, Any]) -> int:
     os.environ.update({str(k): str(v) for k, v in request["env"].items()})
     os.chdir(request["cwd"])
     sys.argv = ["-c", str(request.get("tag", "kit-rank"))]
-    gc.unfreeze()
     with open(os.environ["KIT_RANK_SPEC"]) as f:
         spec = json.load(f)
     sys.path[:] = spec["sys_path"] + [p for p in sys.path if p not in spec["sys_path"]]
@@ -347,8 +353,10 @@ def serve(config_json: str) -> None:
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the session's to handle
     sys.path[:] = config["sys_path"] + [p for p in sys.path if p not in config["sys_path"]]
-    # The ranks' own start-up code, loaded once here too.
-    import megatron_testkit.rank_worker  # noqa: F401
+    # The ranks' own start-up code, loaded once here too (the kit's, not the preload set: quiet).
+    for name in _KIT_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
     done, failed = preload(list(config["preload"]))
     gc.collect()
