@@ -326,13 +326,48 @@ def _launch_marker(pid: int) -> str | None:
     return None
 
 
+# Fields of /proc/self/stat (1-based) that bound the argument and environment areas.
+_ARG_START, _ENV_END = 48, 51
+# Written first into a forked rank's environment area, so that they fit whatever else does not:
+# what the repro's memory watcher and the leak guard's marker read there.
+_FIRST_IN_ENVIRON = ("PYTEST_CURRENT_TEST", "KIT_RANK_SPEC", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def take_identity(tag: str, env: dict[str, str]) -> bool:
+    """Make this forked rank's ``/proc`` command line and environment read as a spawned rank's: the
+    tag (``kit-rank-R-of-W``) as its last argument and the launch's variables, written in place
+    over the parent's (whose areas the forked rank no longer uses: Python holds copies, and glibc's
+    ``environ`` points to new strings once ``os.environ`` was replaced). False where it cannot."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        arg_start, arg_end, env_start, env_end = (int(fields[n - 3]) for n in range(_ARG_START, _ENV_END + 1))
+    except (OSError, IndexError, ValueError):
+        return False
+    argv = b"\0".join([os.fsencode(sys.executable), b"-c", b"kit-warm-rank", tag.encode()]) + b"\0"
+    order = [k for k in _FIRST_IN_ENVIRON if k in env] + [k for k in env if k not in _FIRST_IN_ENVIRON]
+    environ = b""
+    for key in order:
+        entry = os.fsencode(f"{key}={env[key]}") + b"\0"
+        if len(environ) + len(entry) <= env_end - env_start - 1:
+            environ += entry
+    if len(argv) >= arg_end - arg_start:
+        return False
+    ctypes.memmove(arg_start, argv.ljust(arg_end - arg_start, b"\0"), arg_end - arg_start)
+    ctypes.memmove(env_start, environ.ljust(env_end - env_start, b"\0"), env_end - env_start)
+    return True
+
+
 def run_rank(request: dict[str, Any]) -> int:
     """In the forked rank: take the launch's environment and directory, then run the rank as a
     spawned one would (`rank_worker.main`); the test's module is imported only now."""
+    env = {str(k): str(v) for k, v in request["env"].items()}
+    tag = str(request.get("tag", "kit-rank"))
     os.environ.clear()
-    os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+    os.environ.update(env)
+    take_identity(tag, env)
     os.chdir(request["cwd"])
-    sys.argv = ["-c", str(request.get("tag", "kit-rank"))]
+    sys.argv = ["-c", tag]
     with open(os.environ["KIT_RANK_SPEC"]) as f:
         spec = json.load(f)
     sys.path[:] = spec["sys_path"] + [p for p in sys.path if p not in spec["sys_path"]]

@@ -73,6 +73,11 @@ PARENT_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 
+# Room in the parent's environment area for each forked rank's own variables, which it writes
+# there in place so that `/proc/<rank>/environ` reads as a spawned rank's (`warm_parent.take_identity`).
+ROOM_ENV = "KIT_WARM_ROOM"
+_ROOM_BYTES = 16384
+
 _ini_preload: tuple[str, ...] = ()
 _lock = threading.Lock()
 _parents: dict[tuple[str, tuple[str, ...]], WarmParent] = {}
@@ -113,8 +118,6 @@ def cold_reason(*, fresh_interpreter: bool, environ: Mapping[str, str] | None = 
         return (
             "KIT_RANK_CGROUP: pages a forked rank shares with its parent stay charged to the parent's cgroup"
         )
-    if environ.get("KIT_HOST_MEMORY"):
-        return "KIT_HOST_MEMORY: the runner-memory watcher finds ranks by their command line and environment"
     return None
 
 
@@ -277,6 +280,7 @@ def parent_environment(environ: Mapping[str, str] | None = None) -> dict[str, st
     env = dict(os.environ if environ is None else environ)
     env.pop("KIT_ADMISSION_DIR", None)
     env.update(PARENT_ENV)
+    env[ROOM_ENV] = "x" * _ROOM_BYTES
     return env
 
 

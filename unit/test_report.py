@@ -217,7 +217,7 @@ def test_the_schema_is_the_report_contract_and_round_trips() -> None:
 @pytest.mark.parametrize(
     ("broken", "says"),
     [
-        ({"version": 4, "session": {}, "tests": []}, "not a version-3 kit report (version: 4)"),
+        ({"version": 5, "session": {}, "tests": []}, "not a version-4 kit report (version: 5)"),
         ({"version": 1, "session": {}, "tests": {}}, "no 'tests' list"),
         ({"version": 1, "session": [], "tests": []}, "'session' is not an object"),
         ({"version": 1, "tests": [{"outcome": "passed"}]}, "tests[0] has no 'nodeid' and 'outcome'"),
