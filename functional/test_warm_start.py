@@ -215,3 +215,38 @@ def test_pytest_killed_with_9_takes_the_warm_parent_and_its_ranks_within_a_secon
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+TWO_WORKERS = textwrap.dedent(
+    """
+    import os
+
+    import pytest
+
+    from megatron_testkit.ranks import run_ranks
+
+
+    def parent_of_rank(rank, world_size):
+        return os.getppid()
+
+
+    @pytest.mark.parametrize("n", range(4))
+    def test_launch(n):
+        (ppid,) = run_ranks(parent_of_rank, 1, timeout=120)
+        with open(f"ppid.{os.environ['PYTEST_XDIST_WORKER']}.{n}", "w") as f:
+            f.write(f"{ppid} {os.getppid()} {os.getpid()}")
+    """
+)
+
+
+def test_two_xdist_workers_fork_from_the_controllers_one_warm_parent(tmp_path: Path) -> None:
+    result = run_inner_session(tmp_path, "test_workers.py", TWO_WORKERS, "-n", "2")
+    assert result["rc"] == 0, result["output"][-3000:]
+    seen = [tuple(int(x) for x in p.read_text().split()) for p in tmp_path.glob("ppid.gw*")]
+    assert len(seen) == 4
+    assert len({worker for _ppid, _controller, worker in seen}) == 2, seen  # both workers launched
+    parents = {ppid for ppid, _controller, _worker in seen}
+    controllers = {controller for _ppid, controller, _worker in seen}
+    assert len(parents) == 1 and len(controllers) == 1, seen  # one warm parent for the session
+    launches = [launch for row in result["rows"].values() for launch in row["launches"]]
+    assert [launch["start_mode"] for launch in launches] == ["warm"] * 4, launches

@@ -80,6 +80,7 @@ _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
 _SAVED_ROOTS = pytest.StashKey[tuple]()
 _WORKER_LOG_ROOT = "kit_log_root"  # this session's log folder, handed to xdist workers
 _WORKER_LEDGER = "kit_admission_dir"  # this session's admission ledger, handed to xdist workers
+_WORKER_WARM_BROKER = "kit_warm_broker"  # where workers ask for this session's warm parents
 _SAVED_SIGNALS = pytest.StashKey[dict]()
 
 
@@ -138,6 +139,7 @@ class _KitSession:
         self.written: Any = None  # the ReportFiles written, or the one-line reason they were not
         self.interrupted_by = "interrupted"
         self.session_id = uuid.uuid4().hex
+        self.warm_broker: Any = None  # made for the first xdist worker (`megatron_testkit.warm_broker`)
         try:
             self.ledger, self.own_ledger_dir, self.saved_ledger_env = self.open_ledger()
             if self.ledger is not None:
@@ -204,6 +206,14 @@ class _KitSession:
             node.workerinput[_WORKER_LOG_ROOT] = str(self.logs.path)
         if self.ledger is not None:
             node.workerinput[_WORKER_LEDGER] = str(self.ledger.folder)
+        # The workers fork their ranks from this process' warm parents (one per preload set).
+        if self.warm_broker is None and os.environ.get("KIT_WARM_START", "1").strip() != "0":
+            from megatron_testkit.warm_broker import Broker
+
+            with contextlib.suppress(OSError):
+                self.warm_broker = Broker()
+        if self.warm_broker is not None:
+            node.workerinput[_WORKER_WARM_BROKER] = self.warm_broker.path
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         self.interrupted_by = f"interrupted ({excinfo.exconly().strip()})"
@@ -354,6 +364,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ledger = config.workerinput.get(_WORKER_LEDGER)  # type: ignore[attr-defined]
         if ledger:
             os.environ[admission.LEDGER_ENV] = ledger
+        warm_start.set_broker(config.workerinput.get(_WORKER_WARM_BROKER))  # type: ignore[attr-defined]
     else:
         kit_session = _KitSession(config)
         config.pluginmanager.register(kit_session, "kit-session-report")

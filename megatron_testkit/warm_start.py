@@ -218,7 +218,7 @@ class WarmRefused(Exception):
 class WarmParent:
     """One warm parent as its owner sees it: the process, its socket, what it preloaded."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: another process' (the xdist controller's, `warm_broker`)
     folder: str
     socket_path: str
     preload: tuple[str, ...]
@@ -226,13 +226,28 @@ class WarmParent:
     preloaded: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     refusal: str | None = None
+    remote_pid: int | None = None
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.proc.pid if self.proc is not None else int(self.remote_pid or 0)
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return os.path.exists(self.socket_path) and psutil_alive(self.pid)
+
+    def describe(self) -> dict[str, object]:
+        """What a worker needs to use this parent (`warm_broker` sends it)."""
+        return {
+            "socket": self.socket_path,
+            "pid": self.pid,
+            "preload": list(self.preload),
+            "env": self.env,
+            "preloaded": self.preloaded,
+            "failed": self.failed,
+            "refusal": self.refusal,
+        }
 
     def note(self) -> str | None:
         """What the report says about this parent on a warm launch: the preloads that failed."""
@@ -262,7 +277,9 @@ class WarmParent:
         raise WarmRefused(str(reply.get("cold") or reply.get("error") or "the warm parent did not answer"))
 
     def stop(self) -> None:
-        """Close the lifeline: the parent kills its ranks and exits."""
+        """Close the lifeline: the parent kills its ranks and exits (only its owner can)."""
+        if self.proc is None:
+            return
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -272,6 +289,16 @@ class WarmParent:
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def psutil_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (and is no zombie)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def parent_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -284,7 +311,7 @@ def parent_environment(environ: Mapping[str, str] | None = None) -> dict[str, st
     return env
 
 
-def _start(preload: tuple[str, ...]) -> WarmParent:
+def _start(preload: tuple[str, ...], environ: Mapping[str, str] | None = None) -> WarmParent:
     folder = tempfile.mkdtemp(prefix="kit-warm-")
     socket_path = os.path.join(folder, "parent.sock")
     config = {
@@ -293,7 +320,7 @@ def _start(preload: tuple[str, ...]) -> WarmParent:
         "preload": list(preload),
         "sys_path": [os.path.abspath(p) if p else os.getcwd() for p in sys.path],
     }
-    env = parent_environment()
+    env = parent_environment(environ)
     log = open(os.path.join(folder, "parent.log"), "wb")  # noqa: SIM115 (the parent writes it)
     try:
         proc = subprocess.Popen(
@@ -332,6 +359,33 @@ def _start(preload: tuple[str, ...]) -> WarmParent:
     parent.preloaded = list(hello.get("preloaded") or [])
     parent.failed = {str(k): str(v) for k, v in (hello.get("failed") or {}).items()}
     parent.refusal = hello.get("refusal")
+    return parent
+
+
+def parent_for(preload: tuple[str, ...], environ: Mapping[str, str] | None = None) -> WarmParent:
+    """The warm parent for ``preload``: the xdist controller's when this is a worker (asked through
+    its broker, `megatron_testkit.warm_broker`), else this process' own, started now if there is
+    none or it died (``environ``: the environment it starts with, default this process')."""
+    key = (sys.executable, preload)
+    with _lock:
+        parent = _parents.get(key)
+        if parent is not None and not parent.alive():
+            parent.stop()
+            _unexempt(parent.pid)
+            parent = None
+        if parent is None and _broker_path is not None:
+            from megatron_testkit import warm_broker
+
+            parent = warm_broker.ask(_broker_path, preload)  # None: start one of our own
+        if parent is None:
+            parent = _start(preload, environ)
+        _parents[key] = parent
+    _report_failed_preloads(parent)
+    return parent
+
+
+def _report_failed_preloads(parent: WarmParent) -> None:
+    """Warn once per module and process about a preload that failed (never skipped silently)."""
     for name, why in parent.failed.items():
         if name not in _reported:
             _reported.add(name)
@@ -339,24 +393,17 @@ def _start(preload: tuple[str, ...]) -> WarmParent:
                 WarmPreloadWarning(
                     f"warm start: preloading {name} failed ({why}); the warm parent serves without it"
                 ),
-                stacklevel=2,
+                stacklevel=3,
             )
-    return parent
 
 
-def parent_for(preload: tuple[str, ...]) -> WarmParent:
-    """This process' warm parent for ``preload`` (started now if there is none or it died)."""
-    key = (sys.executable, preload)
-    with _lock:
-        parent = _parents.get(key)
-        if parent is not None and parent.alive():
-            return parent
-        if parent is not None:
-            parent.stop()
-            _unexempt(parent.pid)
-        parent = _start(preload)
-        _parents[key] = parent
-        return parent
+_broker_path: str | None = None
+
+
+def set_broker(path: str | None) -> None:
+    """Use the xdist controller's warm parents (its broker's socket), not parents of this process."""
+    global _broker_path
+    _broker_path = path
 
 
 def parent_pids() -> set[int]:
@@ -385,6 +432,7 @@ def stop_all() -> None:
                 parent.stop()
             _unexempt(parent.pid)
             del _parents[key]
+        _parents.clear()
 
 
 @dataclass
