@@ -78,6 +78,7 @@ _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
 
 
 _SAVED_ROOTS = pytest.StashKey[tuple]()
+_SAVED_WARM = pytest.StashKey[tuple]()
 _WORKER_LOG_ROOT = "kit_log_root"  # this session's log folder, handed to xdist workers
 _WORKER_LEDGER = "kit_admission_dir"  # this session's admission ledger, handed to xdist workers
 _WORKER_WARM_BROKER = "kit_warm_broker"  # where workers ask for this session's warm parents
@@ -352,6 +353,8 @@ def pytest_configure(config: pytest.Config) -> None:
     _check_kit_environment()
     from megatron_testkit import warm_start
 
+    # Saved and restored with the roots below: an in-process pytester session has its own ini.
+    config.stash[_SAVED_WARM] = warm_start.settings()
     warm_start.set_ini_preload(config.getini("kit_warm_preload"))
     if not config.pluginmanager.has_plugin("kit-golden"):  # kit_metrics, golden values (its module)
         config.pluginmanager.register(golden_plugin, "kit-golden")
@@ -471,10 +474,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if saved is not None:
         attribution.set_log_root(saved[0])
         attribution.set_scratch_root(saved[1])
+    warm = config.stash.get(_SAVED_WARM, None)
+    if warm is not None:
+        from megatron_testkit import warm_start
+
+        warm_start.restore_settings(warm)
     for signum, previous in config.stash.get(_SAVED_SIGNALS, {}).items():
         signal.signal(signum, previous)
     kit_session = config.pluginmanager.get_plugin("kit-session-report")
     if kit_session is not None:
+        if kit_session.warm_broker is not None:
+            kit_session.warm_broker.close()
         kit_session.close_ledger()
         if kit_session.logs is not None:
             kit_session.logs.close()

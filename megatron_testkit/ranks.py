@@ -548,7 +548,7 @@ class _Launch:
             for rank in range(self.world_size)
         ]
         # Before this process adopts orphans: a warm parent started now is no orphan of the launch.
-        plan = warm_start.plan(envs[0], fresh_interpreter=self.fresh_interpreter)
+        plan = warm_start.plan(envs[0], fresh_interpreter=self.fresh_interpreter, fn=self.fn)
         self.start_mode, self.start_reason = plan.mode, plan.reason
         cap = rank_log.log_cap()
         proctree.hold_subreaper()

@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -25,7 +26,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -378,10 +379,35 @@ def parent_for(preload: tuple[str, ...], environ: Mapping[str, str] | None = Non
 
             parent = warm_broker.ask(_broker_path, preload)  # None: start one of our own
         if parent is None:
-            parent = _start(preload, environ)
+            parent = _start_from_a_lasting_thread(preload, environ)
         _parents[key] = parent
     _report_failed_preloads(parent)
     return parent
+
+
+def _start_from_a_lasting_thread(preload: tuple[str, ...], environ: Mapping[str, str] | None) -> WarmParent:
+    """`_start`, from a thread that lives as long as this process: the parent dies with the thread
+    that started it (PR_SET_PDEATHSIG), and a launch from a short-lived thread must not take it
+    along when that thread ends while other launches use it."""
+    if threading.current_thread() is threading.main_thread():
+        return _start(preload, environ)
+    outcome: list[WarmParent | BaseException] = []
+    done = threading.Event()
+
+    def start() -> None:
+        try:
+            outcome.append(_start(preload, environ))
+        except BaseException as exc:
+            outcome.append(exc)
+        done.set()
+        # This thread stays, parked, so the parent it started lives on.
+        threading.Event().wait()
+
+    threading.Thread(target=start, name="kit-warm-parent-keeper", daemon=True).start()
+    done.wait()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _report_failed_preloads(parent: WarmParent) -> None:
@@ -398,6 +424,17 @@ def _report_failed_preloads(parent: WarmParent) -> None:
 
 
 _broker_path: str | None = None
+
+
+def settings() -> tuple[tuple[str, ...], str | None]:
+    """This process' warm-start settings (ini preloads, broker), for `restore_settings`."""
+    return _ini_preload, _broker_path
+
+
+def restore_settings(saved: tuple[tuple[str, ...], str | None]) -> None:
+    """Put back what `settings` returned (after an in-process pytest session ends)."""
+    global _ini_preload, _broker_path
+    _ini_preload, _broker_path = saved
 
 
 def set_broker(path: str | None) -> None:
@@ -447,13 +484,41 @@ class StartPlan:
         return "warm" if self.parent is not None else "cold"
 
 
-def plan(rank_env: Mapping[str, str], *, fresh_interpreter: bool) -> StartPlan:
-    """Warm when nothing speaks against it, else cold with the reason."""
+# An import of megatron (or of a module named after it: `fixtures.megatron`, the kit's
+# `megatron_testkit.megatron_cpu`) anywhere in the function's module, indented or not.
+_MEGATRON_IMPORT = re.compile(
+    r"^[ \t]*(?:from|import)[ \t]+(?:[\w.]*\bmegatron\b|megatron_testkit\.megatron_)", re.MULTILINE
+)
+MEGATRON_PRELOAD = "megatron.core"
+
+
+def imports_megatron(fn: Callable[..., object] | None) -> bool:
+    """Whether the module that defines ``fn`` imports megatron (read from its source, first MiB)."""
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    path = getattr(module, "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        return False
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return _MEGATRON_IMPORT.search(f.read(1 << 20)) is not None
+    except OSError:
+        return False
+
+
+def plan(
+    rank_env: Mapping[str, str], *, fresh_interpreter: bool, fn: Callable[..., object] | None = None
+) -> StartPlan:
+    """Warm when nothing speaks against it, else cold with the reason. A function whose module
+    imports megatron forks from a parent that preloaded megatron-core too (a parent of its own:
+    megatron-core's import changes torch for every rank forked from it)."""
     reason = cold_reason(fresh_interpreter=fresh_interpreter)
     if reason is not None:
         return StartPlan(None, reason)
+    preload = preload_set()
+    if MEGATRON_PRELOAD not in preload and imports_megatron(fn):
+        preload = (*preload, MEGATRON_PRELOAD)
     try:
-        parent = parent_for(preload_set())
+        parent = parent_for(preload)
     except WarmRefused as exc:
         return StartPlan(None, str(exc))
     reason = env_refusal(rank_env, parent.env)
