@@ -33,6 +33,12 @@ def where_am_i(rank: int, world_size: int) -> tuple[int, int, int, bool]:
     return os.getpid(), os.getppid(), IMPORTED_IN, "torch" in sys.modules
 
 
+def _warm_parent_ready() -> None:
+    """Wait until the warm parent of the current preload set is up: a launch never waits for it
+    (while it imports torch, launches start cold)."""
+    warm_start.parent_for(warm_start.preload_set())
+
+
 def _last_run():
     context = attribution.current()
     assert context is not None
@@ -42,14 +48,17 @@ def _last_run():
 @pytest.fixture
 def own_parents():
     """Warm parents this test starts are its own: ended afterwards, so later tests start fresh."""
-    before = dict(warm_start._parents)
+    before, failed = dict(warm_start._parents), dict(warm_start._failed)
     warm_start._parents.clear()
     yield
     warm_start.stop_all()
+    warm_start._failed.clear()
     warm_start._parents.update(before)
+    warm_start._failed.update(failed)
 
 
 def test_a_warm_launch_forks_its_ranks_from_the_parent_and_imports_the_test_module_after_the_fork() -> None:
+    _warm_parent_ready()
     results = run_ranks(where_am_i, 2, timeout=120)
     run = _last_run()
     assert run.start_mode == "warm", run.start_reason
@@ -71,6 +80,7 @@ def test_a_launch_setting_a_variable_that_an_import_may_read_starts_cold() -> No
     assert "SOME_LIBRARY_SETTING" in (run.start_reason or "")
     assert all(ppid == os.getpid() for _pid, ppid, _i, _t in results)  # spawned by this process
     # A variable of the kit's own is read after the fork: warm.
+    _warm_parent_ready()
     run_ranks(where_am_i, 2, timeout=120, env={"KIT_SOMETHING_OF_OURS": "1"})
     assert _last_run().start_mode == "warm", _last_run().start_reason
 
@@ -97,7 +107,8 @@ def test_a_preload_that_fails_to_import_is_reported_and_the_parent_serves_withou
     with pytest.warns(
         warm_start.WarmPreloadWarning, match="kit_no_such_module_anywhere.*ModuleNotFoundError"
     ):
-        run_ranks(where_am_i, 1, timeout=120)
+        _warm_parent_ready()
+    run_ranks(where_am_i, 1, timeout=120)
     run = _last_run()
     assert run.start_mode == "warm"
     assert "preload failed: kit_no_such_module_anywhere (ModuleNotFoundError" in (run.start_reason or "")
@@ -111,6 +122,7 @@ def test_a_thread_started_in_the_parent_falls_back_to_cold_with_the_reason(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("KIT_WARM_PRELOAD", "kit_starts_a_thread")
+    _warm_parent_ready()
     results = run_ranks(where_am_i, 2, timeout=120)
     run = _last_run()
     assert run.start_mode == "cold"
@@ -125,6 +137,7 @@ ORPHANING = textwrap.dedent(
     """
     import subprocess
 
+    from megatron_testkit import warm_start
     from megatron_testkit.ranks import run_ranks
 
 
@@ -135,6 +148,7 @@ ORPHANING = textwrap.dedent(
 
 
     def test_orphan():
+        warm_start.parent_for(warm_start.preload_set())  # up before the launch, which then goes warm
         run_ranks(leave_an_orphan, 1, timeout=120)
     """
 )
@@ -165,6 +179,7 @@ SLEEPING = textwrap.dedent(
     """
     import os, time
 
+    from megatron_testkit import warm_start
     from megatron_testkit.ranks import run_ranks
 
 
@@ -176,6 +191,7 @@ SLEEPING = textwrap.dedent(
 
 
     def test_sleeps(tmp_path):
+        warm_start.parent_for(warm_start.preload_set())  # up before the launch, which then goes warm
         run_ranks(sleep_and_say, 2, args=(str(tmp_path / "ready"),), timeout=600)
     """
 )
@@ -223,6 +239,7 @@ TWO_WORKERS = textwrap.dedent(
 
     import pytest
 
+    from megatron_testkit import warm_start
     from megatron_testkit.ranks import run_ranks
 
 
@@ -232,6 +249,7 @@ TWO_WORKERS = textwrap.dedent(
 
     @pytest.mark.parametrize("n", range(4))
     def test_launch(n):
+        warm_start.parent_for(warm_start.preload_set())  # up before the launch, which then goes warm
         (ppid,) = run_ranks(parent_of_rank, 1, timeout=120)
         with open(f"ppid.{os.environ['PYTEST_XDIST_WORKER']}.{n}", "w") as f:
             f.write(f"{ppid} {os.getppid()} {os.getpid()}")

@@ -53,7 +53,9 @@ class Broker:
         preload = tuple(str(m) for m in request["preload"])  # type: ignore[union-attr]
         env = {str(k): str(v) for k, v in request["env"].items()}  # type: ignore[union-attr]
         try:
-            return warm_start.parent_for(preload, env).describe()
+            return warm_start.parent_for(preload, env, wait=False).describe()
+        except warm_start.WarmStarting as exc:
+            return {"starting": str(exc)}
         except warm_start.WarmRefused as exc:
             return {"error": str(exc)}
 
@@ -64,8 +66,9 @@ class Broker:
 
 
 def ask(path: str, preload: tuple[str, ...]) -> warm_start.WarmParent | None:
-    """The controller's warm parent for ``preload`` (`warm_start.WarmRefused` when it could not start
-    one); None when the broker cannot be reached (the worker then starts its own)."""
+    """The controller's warm parent for ``preload``: `warm_start.WarmStarting` while the controller
+    starts it, `warm_start.WarmRefused` when it could not; None when the broker cannot be reached
+    (the worker then starts its own)."""
     request = {"preload": list(preload), "env": dict(os.environ)}
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
@@ -77,6 +80,8 @@ def ask(path: str, preload: tuple[str, ...]) -> warm_start.WarmParent | None:
         return None
     if not isinstance(reply, dict):
         return None
+    if reply.get("starting"):
+        raise warm_start.WarmStarting(str(reply["starting"]))
     if reply.get("error"):
         raise warm_start.WarmRefused(str(reply["error"]))
     try:

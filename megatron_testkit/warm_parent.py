@@ -234,6 +234,7 @@ class WarmParent:
         """The forked rank lets go of everything that is the parent's (sockets, wake-up, lifeline)."""
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a spawned interpreter
         for fd in (self.wake_r, self.wake_w, self.lifeline):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import json
 import os
+import queue
 import re
 import select
 import shutil
@@ -363,51 +364,98 @@ def _start(preload: tuple[str, ...], environ: Mapping[str, str] | None = None) -
     return parent
 
 
-def parent_for(preload: tuple[str, ...], environ: Mapping[str, str] | None = None) -> WarmParent:
+class WarmStarting(Exception):
+    """The warm parent is still importing its preload set: this launch starts cold."""
+
+
+STARTING = "the warm parent is still starting (importing its preload set)"
+
+
+def parent_for(
+    preload: tuple[str, ...], environ: Mapping[str, str] | None = None, *, wait: bool = True
+) -> WarmParent:
     """The warm parent for ``preload``: the xdist controller's when this is a worker (asked through
-    its broker, `megatron_testkit.warm_broker`), else this process' own, started now if there is
-    none or it died (``environ``: the environment it starts with, default this process')."""
+    its broker, `megatron_testkit.warm_broker`), else this process' own (``environ``: the
+    environment it starts with, default this process'). One that is missing or died is started in
+    the background; ``wait=False`` then raises `WarmStarting` at once (a launch does not wait for
+    torch's import: it starts cold), ``wait=True`` waits for it. `WarmRefused` when it cannot start."""
     key = (sys.executable, preload)
-    with _lock:
-        parent = _parents.get(key)
-        if parent is not None and not parent.alive():
-            parent.stop()
-            _unexempt(parent.pid)
-            parent = None
-        if parent is None and _broker_path is not None:
-            from megatron_testkit import warm_broker
+    deadline = time.monotonic() + _START_TIMEOUT_S + 30
+    while True:
+        done: threading.Event | None = None
+        with _lock:
+            parent = _parents.get(key)
+            if parent is not None and not parent.alive():
+                parent.stop()
+                _unexempt(parent.pid)
+                del _parents[key]
+                parent = None
+            if parent is None and key in _failed:
+                raise WarmRefused(_failed[key])
+            controller_starting = False
+            if parent is None and _broker_path is not None:
+                from megatron_testkit import warm_broker
 
-            parent = warm_broker.ask(_broker_path, preload)  # None: start one of our own
-        if parent is None:
-            parent = _start_from_a_lasting_thread(preload, environ)
-        _parents[key] = parent
-    _report_failed_preloads(parent)
-    return parent
+                try:
+                    parent = warm_broker.ask(_broker_path, preload)  # None: start one of our own
+                except WarmStarting:
+                    controller_starting = True
+                if parent is not None:
+                    _parents[key] = parent
+            if parent is None and not controller_starting:
+                done = _starting.get(key)
+                if done is None:
+                    done = _starting[key] = threading.Event()
+                    _start_in_background(key, preload, environ, done)
+        if parent is not None:
+            _report_failed_preloads(parent)
+            return parent
+        if not wait or time.monotonic() > deadline:
+            raise WarmStarting(STARTING) if not wait else WarmRefused("the warm parent did not start in time")
+        if done is not None:
+            done.wait(max(0.0, deadline - time.monotonic()))
+        else:
+            time.sleep(0.2)
 
 
-def _start_from_a_lasting_thread(preload: tuple[str, ...], environ: Mapping[str, str] | None) -> WarmParent:
-    """`_start`, from a thread that lives as long as this process: the parent dies with the thread
-    that started it (PR_SET_PDEATHSIG), and a launch from a short-lived thread must not take it
-    along when that thread ends while other launches use it."""
-    if threading.current_thread() is threading.main_thread():
-        return _start(preload, environ)
-    outcome: list[WarmParent | BaseException] = []
-    done = threading.Event()
+_starting: dict[tuple[str, tuple[str, ...]], threading.Event] = {}
+_failed: dict[tuple[str, tuple[str, ...]], str] = {}
+_jobs: queue.Queue = queue.Queue()
+_keeper: threading.Thread | None = None
 
-    def start() -> None:
+
+def _start_in_background(
+    key: tuple[str, tuple[str, ...]],
+    preload: tuple[str, ...],
+    environ: Mapping[str, str] | None,
+    done: threading.Event,
+) -> None:
+    """Have the keeper thread start the parent (called with `_lock` held). One thread that lives
+    as long as this process starts every parent: a parent dies with the thread that started it
+    (PR_SET_PDEATHSIG), so a launch from a short-lived thread must not start it."""
+    global _keeper
+    if _keeper is None or not _keeper.is_alive():
+        _keeper = threading.Thread(target=_keep, name="kit-warm-parent-keeper", daemon=True)
+        _keeper.start()
+    _jobs.put((key, preload, None if environ is None else dict(environ), done))
+
+
+def _keep() -> None:
+    while True:
+        key, preload, environ, done = _jobs.get()
         try:
-            outcome.append(_start(preload, environ))
-        except BaseException as exc:
-            outcome.append(exc)
-        done.set()
-        # This thread stays, parked, so the parent it started lives on.
-        threading.Event().wait()
-
-    threading.Thread(target=start, name="kit-warm-parent-keeper", daemon=True).start()
-    done.wait()
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
+            parent = _start(preload, environ)
+            with _lock:
+                _parents[key] = parent
+        except BaseException as exc:  # whatever it was, the launches start cold and say why
+            with _lock:
+                _failed[key] = (
+                    str(exc) if isinstance(exc, WarmRefused) else f"the warm parent did not start: {exc}"
+                )
+        finally:
+            with _lock:
+                _starting.pop(key, None)
+            done.set()
 
 
 def _report_failed_preloads(parent: WarmParent) -> None:
@@ -518,8 +566,8 @@ def plan(
     if MEGATRON_PRELOAD not in preload and imports_megatron(fn):
         preload = (*preload, MEGATRON_PRELOAD)
     try:
-        parent = parent_for(preload)
-    except WarmRefused as exc:
+        parent = parent_for(preload, wait=False)
+    except (WarmRefused, WarmStarting) as exc:
         return StartPlan(None, str(exc))
     reason = env_refusal(rank_env, parent.env)
     if reason is not None:
