@@ -130,14 +130,16 @@ def test_a_thread_started_in_the_parent_falls_back_to_cold_with_the_reason(
     assert all(ppid == os.getpid() for _pid, ppid, _i, _t in results)
 
 
-# A rank that leaves a sleeper without its session and environment, and returns at once: the
-# sleeper outlives it and re-parents to the warm parent, which hands it back to the launch. In an
-# inner session: the leak it counts is that session's, not this one's.
+# A rank that starts a sleeper without its session and environment (no launch marker), and exits
+# at once: the launcher never sees the sleeper in the rank's tree; it re-parents to the warm parent,
+# which hands it back to the launch. In an inner session: the leak it counts is that session's.
 ORPHANING = textwrap.dedent(
     """
-    import subprocess
+    import os, subprocess
 
-    from megatron_testkit import warm_start
+    import pytest
+
+    from megatron_testkit import RankFailure, attribution, warm_start
     from megatron_testkit.ranks import run_ranks
 
 
@@ -145,11 +147,17 @@ ORPHANING = textwrap.dedent(
         proc = subprocess.Popen(["sleep", "300"], env={}, start_new_session=True)
         with open("orphan.pid", "w") as f:
             f.write(str(proc.pid))
+        os._exit(0)
 
 
     def test_orphan():
         warm_start.parent_for(warm_start.preload_set())  # up before the launch, which then goes warm
-        run_ranks(leave_an_orphan, 1, timeout=120)
+        with pytest.raises(RankFailure):  # exited without returning
+            run_ranks(leave_an_orphan, 1, timeout=120)
+        # Counted and killed by the launch itself, before the leak guard looks after the test.
+        run = attribution.current().runs[-1]
+        with open("launch.txt", "w") as f:
+            f.write(f"{run.start_mode} {run.leaked_processes}")
     """
 )
 
@@ -162,6 +170,9 @@ def test_a_ranks_orphan_is_handed_back_and_counted_as_leaked(tmp_path: Path) -> 
         (launch,) = row["launches"]
         assert launch["start_mode"] == "warm", launch["start_reason"]
         assert row["leaked_processes"] == 1, result["output"]
+        # The launch counted it itself (handed over by the warm parent), not only the leak guard.
+        mode, leaked = (tmp_path / "launch.txt").read_text().split()
+        assert (mode, leaked) == ("warm", "1"), result["output"][-3000:]
         assert not _alive(sleeper)
     finally:
         if _alive(sleeper):

@@ -276,6 +276,9 @@ class WarmParent:
                 continue
             conn.exited = True
             self.last_exit = conn
+            # The rank's orphans re-parented here as it exited: handed over before its exit status,
+            # so the launch has them when it sees the rank gone.
+            self.hand_over_orphans()
             if not conn.closed:
                 conn.send({"exit": os.waitstatus_to_exitcode(status), "time": time.time()})
 
