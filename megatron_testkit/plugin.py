@@ -390,7 +390,7 @@ def _register_skip_policy(config: pytest.Config) -> None:
 def _check_kit_environment() -> None:
     """Parse every ``KIT_*`` variable the kit reads, now: a bad value is a one-line usage error
     naming it, not an abort at import nor a failure blamed on the first test or rank."""
-    from megatron_testkit import devices, golden, rank_log, ranks, runner_limit
+    from megatron_testkit import devices, golden, rank_log, ranks, runner_limit, warm_start
 
     checks = (
         ranks.default_timeout,
@@ -405,6 +405,7 @@ def _check_kit_environment() -> None:
         admission.enabled,
         admission.default_rank_bytes,
         stall.default_window,
+        warm_start.check_settings,
     )
     for check in checks:
         try:

@@ -107,6 +107,23 @@ def preload_set(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     return tuple(out)
 
 
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def check_settings(environ: Mapping[str, str] | None = None) -> None:
+    """ValueError naming the variable for a ``KIT_WARM_START`` other than 0 or 1, or a
+    ``KIT_WARM_PRELOAD`` entry that is not a module name."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(WARM_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{WARM_ENV}={raw!r}: expected 0 (warm starts off) or 1")
+    for name in environ.get(PRELOAD_ENV, "").split(","):
+        if name.strip() and not _MODULE_NAME.match(name.strip()):
+            raise ValueError(
+                f"{PRELOAD_ENV}: {name.strip()!r} is not a module name (comma-separated, e.g. numpy,mylib.ops)"
+            )
+
+
 def cold_reason(*, fresh_interpreter: bool, environ: Mapping[str, str] | None = None) -> str | None:
     """Why a launch must start cold whatever its environment; None when it may go warm."""
     environ = os.environ if environ is None else environ
