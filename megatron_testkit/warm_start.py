@@ -63,6 +63,9 @@ ALLOWED_ENV = frozenset(
         "PYTEST_XDIST_WORKER",
         "PYTEST_XDIST_WORKER_COUNT",
         "PYTEST_XDIST_TESTRUNUID",
+        # torch sets it in its own process the first time it computes its compile cache's folder
+        # (importing megatron-core does), and reads it at each use, never at import.
+        "TORCHINDUCTOR_CACHE_DIR",
     }
 )
 ALLOWED_ENV_PREFIXES = ("KIT_", "TORCH_NCCL_", "NCCL_")
@@ -550,22 +553,29 @@ class StartPlan:
 
 
 # An import of megatron (or of a module named after it: `fixtures.megatron`, the kit's
-# `megatron_testkit.megatron_cpu`) anywhere in the function's module, indented or not.
-_MEGATRON_IMPORT = re.compile(
-    r"^[ \t]*(?:from|import)[ \t]+(?:[\w.]*\bmegatron\b|megatron_testkit\.megatron_)", re.MULTILINE
-)
+# `megatron_testkit.megatron_cpu`): anywhere in the function itself, or at its module's top level.
+_IMPORT = r"(?:from|import)[ \t]+(?:[\w.]*\bmegatron\b|megatron_testkit\.megatron_)"
+_MEGATRON_IMPORT = re.compile(r"^[ \t]*" + _IMPORT, re.MULTILINE)
+_MEGATRON_TOP_LEVEL_IMPORT = re.compile(r"^" + _IMPORT, re.MULTILINE)
 MEGATRON_PRELOAD = "megatron.core"
 
 
 def imports_megatron(fn: Callable[..., object] | None) -> bool:
-    """Whether the module that defines ``fn`` imports megatron (read from its source, first MiB)."""
+    """Whether ``fn`` imports megatron itself or its module does at its top level (read from the
+    source, the module's first MiB). A function that reaches megatron only through another of its
+    module's functions is not seen: its ranks then import megatron-core after the fork."""
+    import inspect
+
+    with contextlib.suppress(OSError, TypeError):
+        if _MEGATRON_IMPORT.search(inspect.getsource(fn)[: 1 << 20]):  # type: ignore[arg-type]
+            return True
     module = sys.modules.get(getattr(fn, "__module__", "") or "")
     path = getattr(module, "__file__", None)
     if not path or not str(path).endswith(".py"):
         return False
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            return _MEGATRON_IMPORT.search(f.read(1 << 20)) is not None
+            return _MEGATRON_TOP_LEVEL_IMPORT.search(f.read(1 << 20)) is not None
     except OSError:
         return False
 

@@ -71,24 +71,40 @@ def test_the_preload_set_is_torch_then_the_ini_then_the_variable_once_each(
     ("source", "imports"),
     [
         ("import megatron.core\n", True),
-        ("def f():\n    from megatron.core.models.gpt import GPTModel\n", True),
         ("from fixtures.megatron import cpu_shim\n", True),
         ("from megatron_testkit.megatron_cpu import cpu_shim\n", True),
+        ("def other():\n    from megatron.core.models.gpt import GPTModel\n", False),  # not fn's own
         ("from megatron_testkit.ranks import run_ranks\nimport megatronish\n", False),
         ("x = 'megatron'\n", False),
     ],
 )
-def test_a_function_whose_module_imports_megatron_is_detected(
+def test_a_function_importing_megatron_itself_or_at_its_modules_top_is_detected(
     source: str, imports: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    module = _module(tmp_path, source + "\ndef fn(rank, world_size):\n    return rank\n", monkeypatch)
+    assert warm_start.imports_megatron(module.fn) is imports
+
+
+def test_a_function_whose_own_body_imports_megatron_is_detected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = "def plain(rank, world_size):\n    return rank\n\n\ndef fn(rank, world_size):\n    from megatron.core import parallel_state\n"
+    module = _module(tmp_path, source, monkeypatch)
+    assert warm_start.imports_megatron(module.fn) is True
+    assert warm_start.imports_megatron(module.plain) is False
+
+
+def _module(tmp_path: Path, source: str, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """``source`` as the module ``kit_probe_module`` in a file, its functions defined from it but
+    its imports not run (megatron would take seconds to import here): each import line runs as
+    ``pass``, line for line, so the functions' source is read back from the file as written."""
+    import re
+
     path = tmp_path / "kit_probe_module.py"
-    path.write_text(source + "\ndef fn(rank, world_size):\n    return rank\n")
+    path.write_text(source)
     module = types.ModuleType("kit_probe_module")
     module.__file__ = str(path)
     monkeypatch.setitem(sys.modules, "kit_probe_module", module)
-
-    def fn(rank: int, world_size: int) -> int:
-        return rank
-
-    fn.__module__ = "kit_probe_module"
-    assert warm_start.imports_megatron(fn) is imports
+    inert = re.sub(r"^([ \t]*)(?:from|import) .*$", r"\1pass", source, flags=re.MULTILINE)
+    exec(compile(inert, str(path), "exec"), module.__dict__)
+    return module
