@@ -264,8 +264,17 @@ LEAVING = textwrap.dedent(
         )
         while not os.path.exists(path):
             time.sleep(0.01)
-        time.sleep(1.0)  # 50 samples of the rank's watchdog (every 20 ms)
-        return int(Path(path).read_text())
+        pid = int(Path(path).read_text())
+        # Until the daemon holds its `mib` (on a loaded machine 800 MiB took longer than a fixed
+        # 1 s to touch), then 50 samples of the rank's watchdog (every 20 ms).
+        deadline = time.monotonic() + 60
+        while mib and time.monotonic() < deadline:
+            with open(f"/proc/{pid}/statm") as f:
+                if int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >= mib << 20:
+                    break
+            time.sleep(0.01)
+        time.sleep(1.0)
+        return pid
 
 
     def test_bare_daemon():

@@ -29,6 +29,8 @@ class TestContext:
     gpu: bool | None = None  # marked `gpu`; None outside a test (set by the plugin at setup)
     # The test's stall_window marker: seconds, None (off), or "default" (KIT_STALL_WINDOW or 30 s).
     stall_window: float | str | None = "default"
+    # Marked `fresh_interpreter`: its launches always spawn their ranks (never warm starts).
+    fresh_interpreter: bool = False
     runs: list[Run] = field(default_factory=list)
 
 

@@ -177,7 +177,28 @@ SETTINGS: tuple[KitSetting, ...] = (
         "the machine's memory that all top-level sessions' launches share (e.g. 20GiB); unset: "
         "MemAvailable within the cgroup's limit, measured again whenever no launch holds any",
     ),
+    KitSetting(
+        "KIT_WARM_START",
+        ENV,
+        "1",
+        "0: every launch spawns its ranks as fresh interpreters; 1: ranks fork from the session's warm "
+        "parent that imported torch once, unless the launch must start cold (docs/testkit.md, warm starts)",
+    ),
+    KitSetting(
+        "KIT_WARM_PRELOAD",
+        ENV,
+        "unset",
+        "comma-separated modules the warm parent imports besides torch and torch.distributed; one that "
+        "fails to import is reported (WarmPreloadWarning, each launch's start_reason)",
+    ),
     # ---- set by the kit for its own processes ----
+    KitSetting(
+        "KIT_WARM_ROOM",
+        ENV,
+        "set by the kit",
+        "padding in the warm parent's environment: room for a forked rank to write its own over it",
+        internal=True,
+    ),
     KitSetting(
         "KIT_ADMISSION_TICKET",
         ENV,
@@ -249,6 +270,13 @@ SETTINGS: tuple[KitSetting, ...] = (
         "false",
         "group skips by their declared capability in the terminal summary and the report, as "
         "KIT_ALLOWED_SKIPS does",
+    ),
+    KitSetting(
+        "kit_warm_preload",
+        INI,
+        "none",
+        "modules the warm parent imports besides torch and torch.distributed, one a line (as "
+        "KIT_WARM_PRELOAD, which adds to it)",
     ),
     KitSetting(
         "kit_require_tier",

@@ -79,15 +79,19 @@ _MARKERS = (
     "leak_guard: apply the kit's leak guard to this test although it launches no ranks",
     "stall_window(seconds): a launch whose ranks wait for each other in collectives this long is a hang "
     "(None: off; default KIT_STALL_WINDOW or 30 s)",
+    "fresh_interpreter: the test's launches spawn every rank as a fresh interpreter, never forked from "
+    "the warm parent",
 )
 _LEAK_GUARD_MODES = ("ranks", "all", "off")
 _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
 
 
 _SAVED_ROOTS = pytest.StashKey[tuple]()
+_SAVED_WARM = pytest.StashKey[tuple]()
 _WORKER_LOG_ROOT = "kit_log_root"  # this session's log folder, handed to xdist workers
 _WORKER_LEDGER = "kit_admission_dir"  # this session's admission ledger, handed to xdist workers
 _WORKER_MACHINE_LEDGER = "kit_machine_ledger"  # and the machine's, when the session is top-level
+_WORKER_WARM_BROKER = "kit_warm_broker"  # where workers ask for this session's warm parents
 _SAVED_SIGNALS = pytest.StashKey[dict]()
 
 
@@ -112,6 +116,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "KIT_ALLOWED_SKIPS (megatron_testkit.skips); off by default, so a project's plain skips print nothing",
         type="bool",
         default=False,
+    )
+    parser.addini(
+        "kit_warm_preload",
+        "modules the warm parent imports besides torch and torch.distributed, one per line (ranks "
+        "forked from it find them imported; KIT_WARM_PRELOAD adds more, comma-separated)",
+        type="linelist",
+        default=[],
     )
     parser.addini(
         "kit_require_tier",
@@ -144,6 +155,7 @@ class _KitSession:
             for name in (machine_ledger.MACHINE_LEDGER_ENV, machine_ledger.OUTER_SESSION_ENV)
         }
         self.machine: machine_ledger.MachineLedger | None = None
+        self.warm_broker: Any = None  # made for the first xdist worker (`megatron_testkit.warm_broker`)
         try:
             self.ledger, self.own_ledger_dir, self.saved_ledger_env = self.open_ledger()
             if self.ledger is not None:
@@ -240,6 +252,14 @@ class _KitSession:
         machine = os.environ.get(machine_ledger.MACHINE_LEDGER_ENV)
         if machine:
             node.workerinput[_WORKER_MACHINE_LEDGER] = machine
+        # The workers fork their ranks from this process' warm parents (one per preload set).
+        if self.warm_broker is None and os.environ.get("KIT_WARM_START", "1").strip() != "0":
+            from megatron_testkit.warm_broker import Broker
+
+            with contextlib.suppress(OSError):
+                self.warm_broker = Broker()
+        if self.warm_broker is not None:
+            node.workerinput[_WORKER_WARM_BROKER] = self.warm_broker.path
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         self.interrupted_by = f"interrupted ({excinfo.exconly().strip()})"
@@ -391,6 +411,11 @@ def pytest_configure(config: pytest.Config) -> None:
     _leak_guard_mode(config)  # a bad value is a usage error now, not in the first test's teardown
     _register_skip_policy(config)
     _check_kit_environment()
+    from megatron_testkit import warm_start
+
+    # Saved and restored with the roots below: an in-process pytester session has its own ini.
+    config.stash[_SAVED_WARM] = warm_start.settings()
+    warm_start.set_ini_preload(config.getini("kit_warm_preload"))
     if not config.pluginmanager.has_plugin("kit-golden"):  # kit_metrics, golden values (its module)
         config.pluginmanager.register(golden_plugin, "kit-golden")
     # Saved and restored: a pytester session run in-process must not redirect the outer one's logs.
@@ -405,6 +430,7 @@ def pytest_configure(config: pytest.Config) -> None:
         machine = config.workerinput.get(_WORKER_MACHINE_LEDGER)  # type: ignore[attr-defined]
         if machine:
             os.environ[machine_ledger.MACHINE_LEDGER_ENV] = machine
+        warm_start.set_broker(config.workerinput.get(_WORKER_WARM_BROKER))  # type: ignore[attr-defined]
     else:
         kit_session = _KitSession(config)
         config.pluginmanager.register(kit_session, "kit-session-report")
@@ -427,7 +453,7 @@ def _register_skip_policy(config: pytest.Config) -> None:
 def _check_kit_environment() -> None:
     """Parse every ``KIT_*`` variable the kit reads, now: a bad value is a one-line usage error
     naming it, not an abort at import nor a failure blamed on the first test or rank."""
-    from megatron_testkit import devices, golden, rank_log, ranks, runner_limit
+    from megatron_testkit import devices, golden, rank_log, ranks, runner_limit, warm_start
 
     checks = (
         ranks.default_timeout,
@@ -445,6 +471,7 @@ def _check_kit_environment() -> None:
         machine_ledger.memory_setting,
         stall.default_window,
         heartbeat.interval,
+        warm_start.check_settings,
     )
     for check in checks:
         try:
@@ -524,10 +551,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if saved is not None:
         attribution.set_log_root(saved[0])
         attribution.set_scratch_root(saved[1])
+    warm = config.stash.get(_SAVED_WARM, None)
+    if warm is not None:
+        from megatron_testkit import warm_start
+
+        warm_start.restore_settings(warm)
     for signum, previous in config.stash.get(_SAVED_SIGNALS, {}).items():
         signal.signal(signum, previous)
     kit_session = config.pluginmanager.get_plugin("kit-session-report")
     if kit_session is not None:
+        if kit_session.warm_broker is not None:
+            kit_session.warm_broker.close()
         kit_session.close_ledger()
         if kit_session.logs is not None:
             kit_session.logs.close()
@@ -576,6 +610,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         context.stall_window = _stall_window_of(window)
     gpu = item.get_closest_marker("gpu") is not None
     if context is not None:
+        context.fresh_interpreter = item.get_closest_marker("fresh_interpreter") is not None
         context.gpu = gpu  # run_ranks gives NCCL and the GPUs only to `gpu` tests
     if not gpu:
         return

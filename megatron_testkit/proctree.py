@@ -27,6 +27,9 @@ from megatron_testkit import procfs
 # The multiprocessing infrastructure processes are singletons reused for the whole session: they
 # are not leaks of a test, and killing them would break the next user of multiprocessing.
 _INFRASTRUCTURE = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+# The session's warm parents (`megatron_testkit.warm_start`), exempt by pid, never by command line:
+# every rank forked from one carries its command line. Their descendants are not exempt.
+EXEMPT_PIDS: set[int] = set()
 
 
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -65,7 +68,9 @@ def release_subreaper() -> None:
 def adopted_since(before: set[int], own: set[int]) -> list[int]:
     """This process' children that were not its children in `before` and are not in `own` (the
     ranks it spawned): orphans of a launch re-parented here while it was a subreaper."""
-    return [pid for pid in procfs.children() if pid not in before and pid not in own]
+    return [
+        pid for pid in procfs.children() if pid not in before and pid not in own and pid not in EXEMPT_PIDS
+    ]
 
 
 def reap(pids: list[int]) -> None:
@@ -170,7 +175,7 @@ def is_infrastructure(proc: psutil.Process) -> bool:
 def leaked_children(pid: int | None = None) -> list[psutil.Process]:
     """Live descendants of ``pid`` (default: this process), multiprocessing helpers excepted."""
     procs = descendants(os.getpid() if pid is None else pid)
-    return [p for p in procs if _is_live(p) and not is_infrastructure(p)]
+    return [p for p in procs if p.pid not in EXEMPT_PIDS and _is_live(p) and not is_infrastructure(p)]
 
 
 def describe(proc: psutil.Process) -> str:

@@ -51,6 +51,7 @@ from megatron_testkit import (
     runner_limit,
     stall,
     wait_graph,
+    warm_start,
 )
 from megatron_testkit.budgets import MemoryBudget, format_size
 from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
@@ -518,6 +519,10 @@ class _Launch:
         self.seen: dict[int, tuple[Any, float]] = {}
         self.beat_cpu: dict[int, tuple[float, float]] = {}
         self.subreaper = False  # this process adopts orphans from `start` to `close`
+        self.fresh_interpreter = bool(getattr(context, "fresh_interpreter", False))
+        # Warm (forked from the warm parent) or cold (spawned), and why; decided in `start`.
+        self.start_mode: str | None = None
+        self.start_reason: str | None = None
         self.children_before: set[int] = set()
         self.started = time.time()
 
@@ -582,6 +587,13 @@ class _Launch:
         self.spec_path.write_text(json.dumps(self._spec(self.fn, threads)))
         self.spawned, self.spawned_at = time.monotonic(), time.time()
         self.memory.started = self.spawned
+        envs = [
+            _rank_env(self.env, rank, self.world_size, self.spec_path, threads)
+            for rank in range(self.world_size)
+        ]
+        # Before this process adopts orphans: a warm parent started now is no orphan of the launch.
+        plan = warm_start.plan(envs[0], fresh_interpreter=self.fresh_interpreter, fn=self.fn)
+        self.start_mode, self.start_reason = plan.mode, plan.reason
         cap = rank_log.log_cap()
         proctree.hold_subreaper()
         self.subreaper = True
@@ -589,21 +601,41 @@ class _Launch:
         folder = Folder(self.run_dir, create=False, what="the launch's folder")
         for rank in range(self.world_size):
             log = CappedLog(folder.open_new(f"rank{rank}.log"), cap, rank)
+            tag = f"kit-rank-{rank}-of-{self.world_size}"  # names the rank in `ps` output
             try:
-                proc = subprocess.Popen(
-                    # The trailing argument names the rank in `ps` output.
-                    [sys.executable, "-c", _BOOTSTRAP, f"kit-rank-{rank}-of-{self.world_size}"],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log.write_fd,
-                    stderr=subprocess.STDOUT,
-                    env=_rank_env(self.env, rank, self.world_size, self.spec_path, threads),
-                    start_new_session=True,
-                )
+                proc: subprocess.Popen | warm_start.ForkedRank | None = None
+                if plan.parent is not None:
+                    proc = self._fork(plan.parent, envs[rank], log, tag, rank)
+                    if proc is None:
+                        plan = warm_start.StartPlan(None, self.start_reason)
+                if proc is None:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-c", _BOOTSTRAP, tag],
+                        stdin=subprocess.DEVNULL,
+                        stdout=log.write_fd,
+                        stderr=subprocess.STDOUT,
+                        env=envs[rank],
+                        start_new_session=True,
+                    )
             except BaseException:
                 log.close()
                 raise
             log.started()
-            self.ranks.append(_RankProcess(rank, proc, log))
+            self.ranks.append(_RankProcess(rank, proc, log))  # type: ignore[arg-type]
+
+    def _fork(
+        self, parent: warm_start.WarmParent, env: dict[str, str], log: CappedLog, tag: str, rank: int
+    ) -> warm_start.ForkedRank | None:
+        """One rank forked by the warm parent (which is then the parent it checks for); None when the
+        parent refuses, and this rank and the rest start cold, the reason recorded."""
+        try:
+            return parent.fork(
+                {**env, rank_worker.LAUNCHER_ENV: str(parent.pid)}, log.write_fd, str(self.spec_path), tag
+            )
+        except warm_start.WarmRefused as exc:
+            self.start_mode = "cold" if rank == 0 else "mixed"
+            self.start_reason = f"the warm parent refused rank {rank}: {exc}"
+            return None
 
     def supervise(self) -> bool:
         """Poll the ranks until all exit, one fails (plus a grace), the ranks deadlock (every live one
@@ -924,10 +956,14 @@ class _Launch:
         return out
 
     def _adopted(self) -> list[int]:
-        """Processes re-parented to this one during the launch (orphans of its ranks' trees)."""
+        """Processes re-parented to this one during the launch (orphans of its ranks' trees), and
+        those the warm parent adopted from forked ranks and handed over."""
+        handed = [
+            pid for r in self.ranks if isinstance(r.proc, warm_start.ForkedRank) for pid in r.proc.adopted()
+        ]
         if not self.subreaper:
-            return []
-        return proctree.adopted_since(self.children_before, {r.proc.pid for r in self.ranks})
+            return handed
+        return [*proctree.adopted_since(self.children_before, {r.proc.pid for r in self.ranks}), *handed]
 
     def close(self) -> int:
         """Kill whatever is left of the ranks' trees, close the logs, give the launch's memory back
@@ -950,6 +986,9 @@ class _Launch:
                     r.proc.wait(timeout=5)
             proctree.reap([*adopted, *self._adopted()])  # no zombie of theirs is left here
         finally:
+            for r in self.ranks:
+                if isinstance(r.proc, warm_start.ForkedRank):
+                    r.proc.release()
             if self.subreaper:
                 self.subreaper = False
                 proctree.release_subreaper()
@@ -989,6 +1028,8 @@ class _Launch:
                 queued_s=self.queued_s(),
                 admitted_bytes=self.ticket.bytes if self.ticket is not None else None,
                 setup_s=self.setup_s(records),
+                start_mode=self.start_mode,
+                start_reason=self.start_reason,
             )
         )
         if not self.keep and failure is None:

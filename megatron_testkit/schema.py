@@ -36,14 +36,16 @@ from megatron_testkit.metrics import TestMetrics
 # ran); a test's ``line`` (its function's line: CI annotations point there); a launch's
 # ``memory`` (each rank's RSS over time, sampled by the launcher: `megatron_testkit.memory_series`);
 # the session's ``cuda_context`` (who created the pytest process' CUDA context, when a test's own
-# code did not).
+# code did not); a launch's ``start_mode`` (warm, cold, mixed), ``start_reason``
+# (megatron_testkit.warm_start) and, in the file's launches, ``setup_s``.
 REPORT_VERSION = 4
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
-# admission; versions 1 to 3 without ``rank_logs``, ``line``, ``memory`` and ``cuda_context``.
+# admission; versions 1 to 3 without the version-4 fields.
 READ_VERSIONS = (1, 2, 3, 4)
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
+START_MODES = ("warm", "cold", "mixed")
 OUTCOMES = ("passed", "failed", "skipped", "error", "interrupted")
 
 # Bounds on what a report read back may hold. A report comes from a CI artifact, which a fork's
@@ -169,6 +171,11 @@ class Run:
     rank_logs: str | None = None
     # Each rank's RSS over the launch, sampled by the launcher's poll (version 4).
     memory: list[RankMemory] | None = None
+    # How the ranks started: "warm" (forked from the warm parent), "cold" (spawned), "mixed" (the
+    # parent refused a later rank), and why (the reason it went cold; on a warm start, the preloads
+    # that failed). None before version 4.
+    start_mode: str | None = None
+    start_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The launch as plain JSON types."""
@@ -180,9 +187,10 @@ class Run:
         values = {f.name: data.get(f.name) for f in fields(cls) if f.name in data}
         values["ranks"] = [RankPeak.from_json(r) for r in data.get("ranks") or []]
         values["failure"] = Failure.from_json(data["failure"]) if data.get("failure") else None
-        for key in ("device", "platform", "rank_logs"):
+        for key in ("device", "platform", "rank_logs", "start_reason"):
             values[key] = values[key] if isinstance(values.get(key), str) else None
         values["memory"] = _memory(data.get("memory"))
+        values["start_mode"] = values.get("start_mode") if values.get("start_mode") in START_MODES else None
         for key in ("queued_s", "setup_s"):
             values[key] = float(values[key]) if _is_number(values.get(key)) else None
         values["admitted_bytes"] = (
@@ -212,6 +220,11 @@ class Launch:
     caught: bool = False
     # Each rank's RSS over the launch (version 4; None before, or when not sampled).
     memory: list[RankMemory] | None = None
+    # Version 4: warm, cold or mixed, why, and seconds from the request until every rank's process
+    # group was up (the launch's start time); None in older reports.
+    start_mode: str | None = None
+    start_reason: str | None = None
+    setup_s: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -240,6 +253,9 @@ class Launch:
             peak_host_bytes=_max_of([r.peak_host_bytes for r in run.ranks]),
             peak_device_bytes=_max_of([r.peak_device_bytes for r in run.ranks]),
             memory=run.memory,
+            start_mode=run.start_mode,
+            start_reason=run.start_reason,
+            setup_s=run.setup_s,
         )
 
     @classmethod
@@ -255,6 +271,11 @@ class Launch:
         values["first_line"] = str(values.get("first_line") or "")
         values["caught"] = values.get("caught") is True
         values["memory"] = _memory(data.get("memory"))
+        values["start_mode"] = values.get("start_mode") if values.get("start_mode") in START_MODES else None
+        values["start_reason"] = (
+            values["start_reason"] if isinstance(values.get("start_reason"), str) else None
+        )
+        values["setup_s"] = float(values["setup_s"]) if _is_number(values.get("setup_s")) else None
         values.setdefault("world_size", 0)
         values.setdefault("backend", "")
         values.setdefault("seed", 0)
@@ -686,6 +707,8 @@ def _check_value(value: Any, kind: Any, where: str, name: str) -> Any:
             raise SchemaError(f"{where} is not text of at most {limit} characters")
         if name == "outcome" and value not in OUTCOMES:
             raise SchemaError(f"{where} is not one of {', '.join(OUTCOMES)}")
+        if name == "start_mode" and value not in START_MODES:
+            raise SchemaError(f"{where} is not one of {', '.join(START_MODES)}")
     return value
 
 

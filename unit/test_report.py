@@ -203,7 +203,8 @@ def test_the_schema_is_the_report_contract_and_round_trips() -> None:
     # The field names written are the schema's, the same the contract (TEST_KEYS) lists.
     assert set(report["tests"][0]) == {f for f in TestEntry.__dataclass_fields__}
     assert set(report["tests"][0]) >= TEST_KEYS
-    # 2: metrics per test; 3: launches as records, admission; 4: rank_logs, line, memory, cuda_context
+    # 2: metrics per test; 3: launches as records, admission; 4: rank_logs, line, memory, cuda_context,
+    # start_mode
     assert report["version"] == REPORT_VERSION == 4
     parsed = Report.from_json(json.loads(json.dumps(report)))
     assert parsed.to_json() == report

@@ -1,0 +1,281 @@
+"""Warm starts with real processes: ranks forked from the warm parent, and every reason to start cold.
+
+A warm launch's ranks are children of the warm parent (not of pytest), each imports the test's
+module after the fork, and the report says how each launch started and why. The parent dies with
+its owner, also on ``kill -9``, and takes its ranks with it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fixtures.inner_session import run_inner_session
+from megatron_testkit import attribution, warm_start
+from megatron_testkit.ranks import run_ranks
+
+pytestmark = pytest.mark.L0
+
+# Set at import: equal to the pid of the process that imported this module.
+IMPORTED_IN = os.getpid()
+
+
+def where_am_i(rank: int, world_size: int) -> tuple[int, int, int, bool]:
+    """(pid, parent pid, pid that imported this module, torch preloaded before the module)."""
+    return os.getpid(), os.getppid(), IMPORTED_IN, "torch" in sys.modules
+
+
+def _warm_parent_ready() -> None:
+    """Wait until the warm parent of the current preload set is up: a launch never waits for it
+    (while it imports torch, launches start cold)."""
+    warm_start.parent_for(warm_start.preload_set())
+
+
+def _last_run():
+    context = attribution.current()
+    assert context is not None
+    return context.runs[-1]
+
+
+@pytest.fixture
+def own_parents():
+    """Warm parents this test starts are its own: ended afterwards, so later tests start fresh."""
+    before, failed = dict(warm_start._parents), dict(warm_start._failed)
+    warm_start._parents.clear()
+    yield
+    warm_start.stop_all()
+    warm_start._failed.clear()
+    warm_start._parents.update(before)
+    warm_start._failed.update(failed)
+
+
+def test_a_warm_launch_forks_its_ranks_from_the_parent_and_imports_the_test_module_after_the_fork() -> None:
+    _warm_parent_ready()
+    results = run_ranks(where_am_i, 2, timeout=120)
+    run = _last_run()
+    assert run.start_mode == "warm", run.start_reason
+    parents = {ppid for _pid, ppid, _i, _t in results}
+    assert len(parents) == 1 and parents <= warm_start.parent_pids()  # forked by the warm parent
+    for pid, _ppid, imported_in, torch_loaded in results:
+        assert imported_in == pid  # the test's module was imported in the rank itself, after the fork
+        assert pid != os.getpid() and torch_loaded
+    # A second launch forks from the same parent.
+    again = run_ranks(where_am_i, 2, timeout=120)
+    assert {r[1] for r in again} == parents
+    assert _last_run().setup_s is not None
+
+
+def test_a_launch_setting_a_variable_that_an_import_may_read_starts_cold() -> None:
+    results = run_ranks(where_am_i, 2, timeout=120, env={"SOME_LIBRARY_SETTING": "1"})
+    run = _last_run()
+    assert run.start_mode == "cold"
+    assert "SOME_LIBRARY_SETTING" in (run.start_reason or "")
+    assert all(ppid == os.getpid() for _pid, ppid, _i, _t in results)  # spawned by this process
+    # A variable of the kit's own is read after the fork: warm.
+    _warm_parent_ready()
+    run_ranks(where_am_i, 2, timeout=120, env={"KIT_SOMETHING_OF_OURS": "1"})
+    assert _last_run().start_mode == "warm", _last_run().start_reason
+
+
+@pytest.mark.fresh_interpreter
+def test_the_fresh_interpreter_marker_starts_cold() -> None:
+    ((_pid, ppid, _i, _t),) = run_ranks(where_am_i, 1, timeout=120)
+    assert ppid == os.getpid()
+    run = _last_run()
+    assert (run.start_mode, run.start_reason) == ("cold", "the test is marked fresh_interpreter")
+
+
+def test_kit_warm_start_0_turns_warm_starts_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KIT_WARM_START", "0")
+    ((_pid, ppid, _i, _t),) = run_ranks(where_am_i, 1, timeout=120)
+    assert ppid == os.getpid()
+    assert (_last_run().start_mode, _last_run().start_reason) == ("cold", "KIT_WARM_START=0")
+
+
+def test_a_preload_that_fails_to_import_is_reported_and_the_parent_serves_without_it(
+    own_parents: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KIT_WARM_PRELOAD", "kit_no_such_module_anywhere")
+    with pytest.warns(
+        warm_start.WarmPreloadWarning, match="kit_no_such_module_anywhere.*ModuleNotFoundError"
+    ):
+        _warm_parent_ready()
+    run_ranks(where_am_i, 1, timeout=120)
+    run = _last_run()
+    assert run.start_mode == "warm"
+    assert "preload failed: kit_no_such_module_anywhere (ModuleNotFoundError" in (run.start_reason or "")
+
+
+def test_a_thread_started_in_the_parent_falls_back_to_cold_with_the_reason(
+    own_parents: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "kit_starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KIT_WARM_PRELOAD", "kit_starts_a_thread")
+    _warm_parent_ready()
+    results = run_ranks(where_am_i, 2, timeout=120)
+    run = _last_run()
+    assert run.start_mode == "cold"
+    assert "runs 2 OS threads" in (run.start_reason or ""), run.start_reason
+    assert all(ppid == os.getpid() for _pid, ppid, _i, _t in results)
+
+
+# A rank that starts a sleeper without its session and environment (no launch marker), and exits
+# at once: the launcher never sees the sleeper in the rank's tree; it re-parents to the warm parent,
+# which hands it back to the launch. In an inner session: the leak it counts is that session's.
+ORPHANING = textwrap.dedent(
+    """
+    import os, subprocess
+
+    import pytest
+
+    from megatron_testkit import RankFailure, attribution, warm_start
+    from megatron_testkit.ranks import run_ranks
+
+
+    def leave_an_orphan(rank, world_size):
+        proc = subprocess.Popen(["sleep", "300"], env={}, start_new_session=True)
+        with open("orphan.pid", "w") as f:
+            f.write(str(proc.pid))
+        os._exit(0)
+
+
+    def test_orphan():
+        warm_start.parent_for(warm_start.preload_set())  # up before the launch, which then goes warm
+        with pytest.raises(RankFailure):  # exited without returning
+            run_ranks(leave_an_orphan, 1, timeout=120)
+        # Counted and killed by the launch itself, before the leak guard looks after the test.
+        run = attribution.current().runs[-1]
+        with open("launch.txt", "w") as f:
+            f.write(f"{run.start_mode} {run.leaked_processes}")
+    """
+)
+
+
+def test_a_ranks_orphan_is_handed_back_and_counted_as_leaked(tmp_path: Path) -> None:
+    result = run_inner_session(tmp_path, "test_orphaning.py", ORPHANING)
+    row = result["rows"]["test_orphan"]
+    sleeper = int((tmp_path / "orphan.pid").read_text())
+    try:
+        (launch,) = row["launches"]
+        assert launch["start_mode"] == "warm", launch["start_reason"]
+        assert row["leaked_processes"] == 1, result["output"]
+        # The launch counted it itself (handed over by the warm parent), not only the leak guard.
+        mode, leaked = (tmp_path / "launch.txt").read_text().split()
+        assert (mode, leaked) == ("warm", "1"), result["output"][-3000:]
+        assert not _alive(sleeper)
+    finally:
+        if _alive(sleeper):
+            os.kill(sleeper, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+SLEEPING = textwrap.dedent(
+    """
+    import os, time
+
+    from megatron_testkit import warm_start
+    from megatron_testkit.ranks import run_ranks
+
+
+    def sleep_and_say(rank, world_size, ready):
+        with open(f"{ready}.{rank}.tmp", "w") as f:
+            f.write(f"{os.getpid()} {os.getppid()}")
+        os.replace(f"{ready}.{rank}.tmp", f"{ready}.{rank}")
+        time.sleep(300)
+
+
+    def test_sleeps(tmp_path):
+        warm_start.parent_for(warm_start.preload_set())  # up before the launch, which then goes warm
+        run_ranks(sleep_and_say, 2, args=(str(tmp_path / "ready"),), timeout=600)
+    """
+)
+
+
+def test_pytest_killed_with_9_takes_the_warm_parent_and_its_ranks_within_a_second(tmp_path: Path) -> None:
+    (tmp_path / "test_inner.py").write_text(SLEEPING)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KIT_ADMISSION"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'base'}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        found: list[Path] = []
+        while len(found) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+            found = [p for p in (tmp_path / "base").rglob("ready.[01]")]
+        assert len(found) == 2, "the inner session's ranks never started"
+        pids = [tuple(int(x) for x in p.read_text().split()) for p in found]
+        ranks = {pid for pid, _ppid in pids}
+        parents = {ppid for _pid, ppid in pids}
+        assert len(parents) == 1 and proc.pid not in parents  # forked from the warm parent
+        (parent,) = parents
+        assert psutil.Process(parent).ppid() == proc.pid  # the parent is the session's child
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in {*ranks, parent}) and time.monotonic() - killed < 1.0:
+            time.sleep(0.02)
+        left = [pid for pid in {*ranks, parent} if _alive(pid)]
+        assert not left, f"still alive 1 s after pytest was killed: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+TWO_WORKERS = textwrap.dedent(
+    """
+    import os
+
+    import pytest
+
+    from megatron_testkit import warm_start
+    from megatron_testkit.ranks import run_ranks
+
+
+    def parent_of_rank(rank, world_size):
+        return os.getppid()
+
+
+    @pytest.mark.parametrize("n", range(4))
+    def test_launch(n):
+        warm_start.parent_for(warm_start.preload_set())  # up before the launch, which then goes warm
+        (ppid,) = run_ranks(parent_of_rank, 1, timeout=120)
+        with open(f"ppid.{os.environ['PYTEST_XDIST_WORKER']}.{n}", "w") as f:
+            f.write(f"{ppid} {os.getppid()} {os.getpid()}")
+    """
+)
+
+
+def test_two_xdist_workers_fork_from_the_controllers_one_warm_parent(tmp_path: Path) -> None:
+    result = run_inner_session(tmp_path, "test_workers.py", TWO_WORKERS, "-n", "2")
+    assert result["rc"] == 0, result["output"][-3000:]
+    seen = [tuple(int(x) for x in p.read_text().split()) for p in tmp_path.glob("ppid.gw*")]
+    assert len(seen) == 4
+    assert len({worker for _ppid, _controller, worker in seen}) == 2, seen  # both workers launched
+    parents = {ppid for ppid, _controller, _worker in seen}
+    controllers = {controller for _ppid, controller, _worker in seen}
+    assert len(parents) == 1 and len(controllers) == 1, seen  # one warm parent for the session
+    launches = [launch for row in result["rows"].values() for launch in row["launches"]]
+    assert [launch["start_mode"] for launch in launches] == ["warm"] * 4, launches
