@@ -78,6 +78,8 @@ PARENT_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 
+INDUCTOR_THREADS_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
+
 # Room in the parent's environment area for each forked rank's own variables, which it writes
 # there in place so that `/proc/<rank>/environ` reads as a spawned rank's (`warm_parent.take_identity`).
 ROOM_ENV = "KIT_WARM_ROOM"
@@ -329,6 +331,9 @@ def parent_environment(environ: Mapping[str, str] | None = None) -> dict[str, st
     env = dict(os.environ if environ is None else environ)
     env.pop("KIT_ADMISSION_DIR", None)
     env.update(PARENT_ENV)
+    # As every rank's environment has it (`ranks._rank_env`): Inductor reads it when
+    # torch._inductor.config is imported, which the megatron-core parent does before any fork.
+    env.setdefault(INDUCTOR_THREADS_ENV, "1")
     env[ROOM_ENV] = "x" * _ROOM_BYTES
     return env
 
