@@ -20,8 +20,11 @@ what is free, and otherwise waits, first come first served, the wait recorded as
   marker (``KIT_ADMISSION_TICKET``: ticket, launcher, ledger) in its own environment, and whoever
   reclaims the entry kills the processes that carry it. The ledger is untrusted: a pid it names
   is never signalled for being named there.
-- A release that cannot be written (a full disk) never holds the share: this process leaves the
-  ticket out of every later read and write, and retries in the background until a write succeeds.
+- A release that cannot be written (a full disk) never holds the share, in any process: it leaves
+  an empty file ``admission.released-<ticket>`` beside the ledger (an empty file needs no data
+  block), every reader counts a ticket with one as released, and the next write drops both. The
+  releasing process also leaves the ticket out itself (should even that file fail) and retries the
+  write in the background until one succeeds.
 - The ledger is input too: one that is unreadable, too large, of another format, or with an entry
   it cannot trust (no bytes, negative bytes) is set aside (renamed, one warning naming it), and the
   new one counts the launches still running on this ledger (their ranks' current memory) until
@@ -43,6 +46,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -86,6 +90,7 @@ TICKET_ENV = "KIT_ADMISSION_TICKET"
 DEFAULT_RANK_BYTES = 1 << 30
 LEDGER_FILE = "admission.json"
 LOCK_FILE = "admission.lock"
+RELEASED_PREFIX = "admission.released-"  # + a ticket id: its release could not rewrite the ledger
 _MAX_LEDGER_BYTES = 1 << 20  # a ledger of live launches and waiters; anything larger is not ours
 _POLL_S = 0.1
 _RETRY_S = 1.0  # how often a release that could not be written is tried again
@@ -269,6 +274,15 @@ class Ledger:
         self.files = Folder(folder, create=create, what="the admission ledger's folder")
         self.folder = self.files.path
         self.path = self.folder / LEDGER_FILE
+        self._buried: set[str] = set()  # tickets the last read left out for their released-file
+
+    def _released_file(self, ticket_id: str) -> bool:
+        """Whether a release left its file for ``ticket_id`` (looked up by the exact id of an entry
+        the ledger holds, never by listing the folder: the folder's names are not read)."""
+        with contextlib.suppress(OSError):
+            info = self.files.lstat(RELEASED_PREFIX + ticket_id)
+            return info is not None and stat.S_ISREG(info.st_mode)
+        return False
 
     @staticmethod
     def fresh(cap: Capacity) -> dict[str, Any]:
@@ -315,6 +329,7 @@ class Ledger:
         """The ledger without what dead processes held or waited for and without the tickets released
         here whose write was refused; and whether that differs from the file (so it is worth writing).
         A ledger that cannot be used is set aside and replaced (`_set_aside`)."""
+        self._buried = set()
         try:
             ledger = load_json(self.path, limit=_MAX_LEDGER_BYTES, what="admission ledger", max_depth=8)
             problem = _ledger_problem(ledger)
@@ -331,6 +346,8 @@ class Ledger:
         with _unreleased_lock:
             released = _unreleased.get(str(self.folder), set())
             released &= {e["id"] for e in ledger["entries"]}  # written out by now: forgotten
+        self._buried = {e["id"] for e in ledger["entries"] if self._released_file(e["id"])}
+        released = released | self._buried
         dead = [e for e in ledger["entries"] if e["id"] not in released and not _alive(e)]
         entries = [e for e in ledger["entries"] if e["id"] not in released and _alive(e)]
         waiting = [w for w in ledger["waiting"] if _alive(w)]
@@ -407,7 +424,13 @@ class Ledger:
         ]
 
     def _save(self, ledger: dict[str, Any]) -> None:
+        """Write the ledger; then remove the released-files of the tickets it no longer holds."""
         self.files.write_text(LEDGER_FILE, json.dumps(ledger))
+        held = {e["id"] for e in ledger["entries"]}
+        for ticket_id in self._buried - held:
+            with contextlib.suppress(OSError):  # left behind: an id never used again, harmless
+                self.files.remove(RELEASED_PREFIX + ticket_id)
+        self._buried = set()
 
     def flush(self) -> None:
         """Write the ledger back if reading it dropped something (dead processes' entries, tickets
@@ -512,8 +535,9 @@ class Ledger:
 
     def release(self, ticket: Ticket) -> None:
         """The launch ended: its share is free again. A release that cannot be written (a full disk)
-        never holds the share: this process leaves the ticket out from now on and retries the write
-        in the background until one succeeds; nothing is raised."""
+        never holds the share: it leaves the ticket's released-file, which every reader honours,
+        this process leaves the ticket out from now on, and retries the write in the background
+        until one succeeds; nothing is raised."""
         global _retry_thread
         try:
             with self._locked():
@@ -523,6 +547,8 @@ class Ledger:
             return
         except (OSError, ValueError):  # WriteRefused (a full disk), a lock that stayed taken
             pass
+        with contextlib.suppress(OSError), self.files.open_new(RELEASED_PREFIX + ticket.id):
+            pass  # empty: made where no byte can be written; already there is as good
         with _unreleased_lock:
             _unreleased.setdefault(str(self.folder), set()).add(ticket.id)
             _unreleased_ledgers[str(self.folder)] = self

@@ -195,6 +195,20 @@ class Folder:
                 ) from None
         return self.path.joinpath(*parts[:-1], name)
 
+    def remove(self, relative: str | os.PathLike[str]) -> bool:
+        """Remove the file (or link, never followed) at `relative`; False when nothing was there."""
+        parts = check_relative(relative)
+        with self._parent(parts, create=False) as parent:
+            try:
+                os.unlink(parts[-1], dir_fd=parent)
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                raise WriteRefused(
+                    f"cannot remove {printable(str(self.path.joinpath(*parts)), 300)}: {_reason(exc)}"
+                ) from None
+        return True
+
     @staticmethod
     def lstat_in(parent: int, name: str) -> os.stat_result | None:
         try:

@@ -315,7 +315,8 @@ def test_a_release_that_cannot_be_written_never_holds_the_share(tmp_path: Path) 
         assert child.stdout is not None
         # It did not raise, and its own next launch would not count the share it released.
         assert child.stdout.readline() == "released 0\n"
-        assert [e["label"] for e in ledger.snapshot()["entries"]] == ["child"]  # not written yet
+        in_file = json.loads(ledger.path.read_text())["entries"]
+        assert [e["label"] for e in in_file] == ["child"]  # not written yet
         assert child.stdout.readline() == "room\n"
         deadline = time.monotonic() + 10  # retried every second in the background
         while ledger.snapshot()["entries"] and time.monotonic() < deadline:
@@ -323,6 +324,42 @@ def test_a_release_that_cannot_be_written_never_holds_the_share(tmp_path: Path) 
         assert ledger.snapshot()["entries"] == []
         assert child.poll() is None  # the holder is alive: only the retried release freed it
         assert ledger.admit(900 * MiB, 1, "t::next").queued_s < 1.0
+    finally:
+        child.kill()
+        child.wait()
+
+
+RELEASE_THAT_WRITES_NOTHING = """
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, as ENOSPC would
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+ledger.release(ticket)
+print('released', flush=True)
+time.sleep(120)  # alive, its limit never lifted: its own background retries keep failing
+"""
+
+
+def test_a_release_that_cannot_be_written_frees_the_share_for_every_other_process(tmp_path: Path) -> None:
+    # Another process sharing the ledger (a second session on the machine ledger) must not wait
+    # for the holder's rewrite: the holder is alive and its file-size limit is never lifted.
+    ledger = ledger_of(tmp_path)
+    child = _admitting_child(ledger.folder, 900 * MiB, then=RELEASE_THAT_WRITES_NOTHING)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "released\n"
+        in_file = json.loads(ledger.path.read_text())["entries"]
+        assert [e["label"] for e in in_file] == ["child"]  # the release really wrote nothing
+        got: list[admission.Ticket] = []
+        other = Ledger(ledger.folder)  # this process: another reader of the same ledger
+        waiter = threading.Thread(
+            target=lambda: got.append(other.admit(900 * MiB, 1, "t::other", poll_s=0.02))
+        )
+        waiter.daemon = True
+        waiter.start()
+        waiter.join(timeout=10)  # admitted at once; 10 s only bounds a failure on a loaded runner
+        assert got and got[0].admitted_total == 900 * MiB  # the holder's 900 MiB no longer count
+        assert child.poll() is None  # still alive, its ticket never rewritten by itself
+        # The write that admitted it dropped the holder's entry, and with it the released-file.
+        assert [e["label"] for e in json.loads(ledger.path.read_text())["entries"]] == ["t::other"]
+        assert [p.name for p in ledger.folder.iterdir() if p.name.startswith("admission.released-")] == []
     finally:
         child.kill()
         child.wait()
