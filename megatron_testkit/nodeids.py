@@ -9,7 +9,10 @@ that starts no process refuses what the real run refuses), else a regular file u
 outside hidden folders. The repro line downloads the artifact into the project, and a fork's
 tests write what it holds: a file not tracked by git is accepted only when asked
 (``include_untracked``), and never one in a report folder or a folder that holds a kit report or
-a session's logs. Nothing here imports or runs a test file: whether a test still exists is read
+a session's logs. The same holds for the files pytest loads for a test file before its tests
+run (`LOADED_WITH_A_TEST`: a `conftest.py`, a package's `__init__.py`, an ini file, in its folder
+and each folder above it up to the root): one that git does not track blocks the run (`Checked.blocked`),
+since a planted `conftest.py` beside a tracked test runs as surely as a planted test. Nothing here imports or runs a test file: whether a test still exists is read
 from the file's syntax tree.
 """
 
@@ -34,6 +37,17 @@ _INSTALLED = ("site-packages", "dist-packages", "node_modules")
 NOT_TRACKED = "not tracked by git: commit or `git add` it"
 # What the kit writes into a report folder: a folder holding one is a run's output (an artifact).
 _KIT_OUTPUT = ("kit-report.json", "kit-report.md", MARKER)
+# Files pytest imports or reads for a test file given on its command line, from the file's folder
+# up to the root: conftests and packages are imported, an ini file can add options and plugins.
+LOADED_WITH_A_TEST = (
+    "conftest.py",
+    "__init__.py",
+    "pytest.ini",
+    ".pytest.ini",
+    "tox.ini",
+    "setup.cfg",
+    "pyproject.toml",
+)
 
 
 @dataclass
@@ -44,6 +58,7 @@ class Checked:
     refused: list[tuple[str, str]] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
     unchecked: str | None = None  # why tracking was left to the real run (an index only git reads)
+    blocked: str | None = None  # a file pytest would load with an accepted test and must not: why
 
 
 def form_problem(nodeid: str) -> str | None:
@@ -147,6 +162,36 @@ def file_problem(
     return None
 
 
+def loaded_file_problem(
+    root: Path,
+    path: str,
+    tracked: set[str] | None,
+    *,
+    include_untracked: bool = False,
+    report_folders: Sequence[Path] = (),
+) -> str | None:
+    """Why a file pytest loads with the test file `path` (`LOADED_WITH_A_TEST`, in its folder or one
+    above it up to `root`) must not run: untracked by git (unless `include_untracked`), or, when
+    untracked or outside git, a run's output (`kit_output_problem`). None when every one may load."""
+    folder = (root / path).parent
+    while True:
+        for name in LOADED_WITH_A_TEST:
+            loaded = folder / name
+            if not loaded.exists() and not loaded.is_symlink():
+                continue
+            shown = loaded.relative_to(root).as_posix()
+            untracked = tracked is not None and shown not in tracked
+            if untracked and not include_untracked:
+                return f"{shown}, which pytest loads with {path}, is {NOT_TRACKED}"
+            if tracked is None or untracked:
+                why = kit_output_problem(root, loaded, report_folders, include_root=untracked)
+                if why is not None:
+                    return f"{shown}, which pytest loads with {path}, is {why}"
+        if folder == root:
+            return None
+        folder = folder.parent
+
+
 def defined_names(source: str) -> dict[str, set[str] | None]:
     """Top-level names of a test module -> the names defined in them (for classes without bases;
     None where any name may exist: functions, assignments, imports, classes that inherit)."""
@@ -230,4 +275,10 @@ def check(
         if path not in sources:
             sources[path] = (root / path).read_text(encoding="utf-8", errors="replace")
         (out.accepted if exists_in_source(sources[path], names) else out.stale).append(nodeid)
+    for path in dict.fromkeys(nodeid.split("::")[0] for nodeid in out.accepted):
+        out.blocked = loaded_file_problem(
+            root, path, tracked, include_untracked=include_untracked, report_folders=report_folders
+        )
+        if out.blocked is not None:
+            break
     return out

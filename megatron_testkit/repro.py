@@ -353,6 +353,9 @@ def _select(p: Plan, report: str, dry_run: bool, include_untracked: bool) -> lis
         include_untracked=include_untracked,
         report_folders=[p.reports, Path(report).resolve().parent],
     )
+    if checked.blocked is not None:
+        # Collecting or running the test would import it: nothing runs (the dry run says the same).
+        raise UsageError(f"{printable(checked.blocked, 400)}: nothing run")
     p.refused, p.stale, p.unchecked = checked.refused, checked.stale, checked.unchecked
     if checked.accepted and not dry_run:
         # A parametrized id whose parameter is gone is found only by collecting its (checked) file.

@@ -299,9 +299,12 @@ def test_summary_also_names_are_not_globbed(tmp_path: Path) -> None:
     assert "No tests:" not in run.summary
 
 
-@pytest.mark.parametrize("name", ["kit\nexit-code=0", "kit\rx", "a/b", "../x"], ids=repr)
+@pytest.mark.parametrize(
+    "name", ["kit\nexit-code=0", "kit\rx", "a/b", "../x", "-rf", "--x", ".", "..", "..."], ids=repr
+)
 def test_an_artifact_name_with_a_control_character_or_a_path_is_refused(tmp_path: Path, name: str) -> None:
-    """A new line in the name added lines to $GITHUB_OUTPUT."""
+    """A new line in the name added lines to $GITHUB_OUTPUT; `-rf` broke the summary's command line
+    (an empty job summary), `..` made the repro line download into the folder above the project."""
     project, run = _hostile_run(tmp_path, {"pytest-args": "-p no:randomly tests", "artifact-name": name})
     names = run.step("Name the artifact")
     assert names.returncode == 2 and names.written == ""

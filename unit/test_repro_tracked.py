@@ -240,3 +240,48 @@ def test_with_a_split_index_the_real_run_asks_git_and_the_dry_run_says_it_did_no
     assert real.accepted == [ids[0]] and real.refused == [(ids[1], NOT_TRACKED)] and real.unchecked is None
     dry = check(root, ids, start_processes=False)
     assert dry.unchecked == "a split index" and dry.accepted == ids
+
+
+PLANT = "open({marker!r}, 'a').write(__file__ + '\\n')\n"
+
+
+@pytest.mark.parametrize("planted", ["conftest.py", "__init__.py"])
+@pytest.mark.parametrize("include", [False, True], ids=["tracked only", "--include-untracked"])
+def test_an_untracked_file_pytest_loads_beside_a_tracked_test_blocks_the_run(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], planted: str, include: bool
+) -> None:
+    """An artifact named `tests`, downloaded into the root, puts its report and a conftest.py beside
+    a tracked test: running that test would import the conftest. Neither run nor dry run starts it."""
+    ran = tmp_path / "ran.txt"
+    root = tmp_path / "project"
+    (root / "tests").mkdir(parents=True)
+    (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider -p no:randomly\n")
+    (root / "tests" / "test_t.py").write_text(FAILING.format(marker=str(ran)))
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-qm", "a project")
+    (root / "tests" / planted).write_text(PLANT.format(marker=str(ran)))
+    report = root / "tests" / "kit-report.json"
+    tests = [{"nodeid": "tests/test_t.py::test_x", "outcome": "failed"}]
+    report.write_text(json.dumps({"version": 1, "session": {"markexpr": "L0"}, "tests": tests}))
+    argv = ["--from-report", str(report), "--root", str(root), "--reports", str(tmp_path / "out")]
+    argv += ["--limit-method", "env", *(["--include-untracked"] if include else [])]
+    why = REPORT_FOLDER if include else NOT_TRACKED  # tests/ holds the report
+    expected = (
+        f"python -m megatron_testkit repro: error: tests/{planted}, which pytest loads with "
+        f"tests/test_t.py, is {why}: nothing run\n"
+    )
+    with _processes_started() as started:
+        assert repro.main([*argv, "--dry-run"]) == 2
+    assert started == []
+    assert capfd.readouterr().err == expected
+    assert repro.main(argv) == 2
+    assert capfd.readouterr().err == expected
+    assert not ran.exists(), "neither the test nor the planted file ran"
+
+    _git(root, "add", f"tests/{planted}")  # the project's own file: the test runs, and loads it
+    report.rename(tmp_path / "kit-report.json")
+    argv[1] = str(tmp_path / "kit-report.json")
+    assert repro.main(argv) == 1
+    # (the kit's collection of the test's file loads the planted file too: a set, not a count)
+    assert {Path(line).name for line in ran.read_text().splitlines()} == {planted, "test_t.py"}
