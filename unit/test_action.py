@@ -143,6 +143,10 @@ def test_the_steps_run_the_tests_write_the_summary_annotate_upload_and_print_the
     assert (project / "reports" / "kit-report.json").is_file() and (
         project / "reports" / "junit.xml"
     ).is_file()
+    # The step's own variables never reach the report as settings of the run (repro warned about
+    # each: "KIT_COMMAND: not a setting of the kit"); only what it sets for the kit does.
+    recorded = json.loads((project / "reports" / "kit-report.json").read_text())["session"]["settings"]
+    assert [s["name"] for s in recorded if s["name"].startswith("KIT_")] == ["KIT_CI_JOB"], recorded
     # The job summary: the report's table once, and the exact repro of this run's artifact.
     assert run.summary.count("## Kit report") == 1
     repro = (

@@ -93,3 +93,16 @@ def test_a_path_under_the_report_folder_is_given_relative_to_it() -> None:
     assert in_report_folder("/tmp/kit-ranks-1", root) is None
     assert in_report_folder("/r/reports/logs/session-1/t", None) is None
     assert in_report_folder("/r/x/t", "/r/x") is None  # not a session log folder
+
+
+def test_every_setting_a_report_records_is_restored_by_repro_or_left_out_with_its_reason() -> None:
+    """A documented setting that repro called "not a setting of the kit" (KIT_HEARTBEAT, added with
+    the settings table but not to repro's list) read as a mistake in every repro of its reports."""
+    from megatron_testkit.repro_settings import KIT_SETTINGS, NOT_RESTORED, restorable
+
+    recorded = {s.name for s in SETTINGS if s.recorded}
+    assert recorded == set(KIT_SETTINGS) | set(NOT_RESTORED), "a recorded setting repro knows nothing of"
+    restored = restorable([{"name": name, "value": "1"} for name in sorted(recorded)])
+    assert set(restored.applied) == set(KIT_SETTINGS)
+    assert dict(restored.left_out) == NOT_RESTORED
+    assert not any("not a setting of the kit" in why for _, why in restored.left_out)
