@@ -586,19 +586,35 @@ def run(argv: list[str]) -> int:
     return execute(p, args.limit_method)
 
 
+LISTED_IDS = 20  # ids a line names before "and N more": a report may hold 100,000 failed ids
+
+
+def _first(items: list[str], sep: str, total: int) -> str:
+    """The first `LISTED_IDS` of `items` (printable already) joined by `sep`, and how many more of
+    `total` there are."""
+    shown = sep.join(items[:LISTED_IDS])
+    more = total - LISTED_IDS
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
 def _say_what_is_left_out(p: Plan) -> bool:
     """Name the report's ids that are refused or stale; whether any of its failed tests is left to run."""
     if p.refused:
         _say(
             f"{len(p.refused)} id(s) of the report refused, not run (not a test of this project): "
-            + "; ".join(f"{printable(nodeid, 200)} ({why})" for nodeid, why in p.refused)
+            + _first(
+                [f"{printable(nodeid, 200)} ({why})" for nodeid, why in p.refused[:LISTED_IDS]],
+                "; ",
+                len(p.refused),
+            )
         )
     if p.unchecked:
         _say(f"not checked here whether git tracks the files ({p.unchecked}): the real run asks git")
     if p.stale:
         _say(
             f"{len(p.stale)} failed test(s) of the report do not exist here (renamed or removed since "
-            f"the CI run?), skipped: {', '.join(printable(nodeid, 200) for nodeid in p.stale)}"
+            "the CI run?), skipped: "
+            + _first([printable(nodeid, 200) for nodeid in p.stale[:LISTED_IDS]], ", ", len(p.stale))
         )
     if p.ci_failed and len(p.stale) + len(p.refused) == len(p.ci_failed):
         what = "exists" if not p.refused else "can run"

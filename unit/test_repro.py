@@ -1119,3 +1119,26 @@ def test_an_interrupted_test_is_rerun_and_said_so() -> None:
     rerun = failed_tests(report)
     assert [t["nodeid"] for t in rerun] == ["unit/test_a.py::test_cut_short"]
     assert verdict(rerun[0]).cause == "interrupted"
+
+
+def test_the_stale_line_names_the_first_ids_and_counts_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every id on one line: 2.9 MB of output for a report of 100,000 failed tests."""
+    gone = [entry(f"unit/test_gone.py::test_{i}", "failed") for i in range(1000)]
+    gone += [entry(f"-x{i}", "failed") for i in range(25)]  # refused: an option, not a test
+    report = write_report(
+        tmp_path / "kit-report.json", [oom_entry("functional/test_b.py::test_big[2-gloo]"), *gone]
+    )
+    project = make_project(tmp_path / "project")
+    out = dry_run(["--from-report", str(report), "--root", str(project)], capsys)
+    first = ", ".join(f"unit/test_gone.py::test_{i}" for i in range(20))
+    assert out[1] == (
+        "ci repro: 1000 failed test(s) of the report do not exist here (renamed or removed since the CI run?), "
+        f"skipped: {first} and 980 more"
+    )
+    refused = "; ".join(f"-x{i} (starts with '-' (an option, not a test))" for i in range(20))
+    assert out[0] == (
+        "ci repro: 25 id(s) of the report refused, not run (not a test of this project): "
+        f"{refused} and 5 more"
+    )
