@@ -746,7 +746,7 @@ def test_a_new_users_ci_session_runs_command_by_command_with_only_the_wheel(
     # --repro-line: the command alone, on one line, as the action prints it.
     line = _run_fresh(python, "-m", "megatron_testkit", "summary", "--repro-line", "reports", cwd=project)
     assert line.returncode == 0 and line.stdout == (
-        "python -m megatron_testkit repro --from-report kit-report.json\n"
+        "python -m megatron_testkit repro --from-report reports/kit-report.json\n"
     ), line.stdout
     other = _run_fresh(*kit, "tests/test_user.py", cwd=project)
     assert other.returncode == 2 and "REPORT_DIR is the --kit-report folder" in other.stderr, other.stderr

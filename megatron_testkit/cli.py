@@ -121,6 +121,7 @@ def _summary(argv: list[str]) -> int:
         args.repro_command,
         os.environ.get("GITHUB_RUN_ID"),
         os.environ.get("GITHUB_REPOSITORY"),
+        reports=str(reports),
     )
     if args.repro_line:
         print(printable(repro))  # one line: a newline in an input is written as an escape

@@ -368,8 +368,8 @@ def admission_line(report: dict[str, Any]) -> str:
     )
     return (
         f"admission: peak {format_size(session.get('admission_peak_bytes'))} of {format_size(limit)} admitted "
-        f"({session.get('admission_source') or '?'}); {len(queued)} tests queued {sum(queued):.1f} s in all; "
-        f"{format_size(default)} a rank for the {undeclared} rank tests without a memory_budget"
+        f"({session.get('admission_source') or '?'}); {plural(len(queued), 'test')} queued {sum(queued):.1f} s in all; "
+        f"{format_size(default)} a rank for the {plural(undeclared, 'rank test')} without a memory_budget"
     )
 
 

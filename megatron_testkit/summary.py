@@ -57,12 +57,16 @@ def repro_command(
     command: str = REPRO_COMMAND,
     run_id: str | None = None,
     repository: str | None = None,
+    reports: str | None = None,
 ) -> str:
     """The line that reruns a job's failures locally, in the project's root: when the run is known,
     the GitHub CLI downloads its artifact into a folder of that name first; else the report is the
-    downloaded artifact's ``kit-report.json``."""
+    artifact's, downloaded into a folder of its name, or without an artifact the report folder's
+    (`reports`, as given: a local run's line runs where it was printed)."""
     if not (artifact and run_id):
-        return f"{command} --from-report {REPORT_JSON}"
+        folder = artifact or reports
+        path = f"{folder.rstrip('/')}/{REPORT_JSON}" if folder else REPORT_JSON
+        return f"{command} --from-report {shlex.quote(path)}"
     where = f" --repo {shlex.quote(repository)}" if repository else ""
     fetch = f"gh run download {shlex.quote(run_id)}{where} --name {shlex.quote(artifact)} --dir {shlex.quote(artifact)}"
     return f"{fetch} && {command} --from-report {shlex.quote(f'{artifact}/{REPORT_JSON}')}"

@@ -150,6 +150,10 @@ def describe(wait: Wait, groups: Mapping[str, tuple[int, ...]]) -> str:
     if wait.kind == "collective":
         ranks = groups.get(wait.group or "")
         where = f"group {list(ranks)}" if ranks is not None else f"group {wait.group!r}"
+        if ranks is not None and sum(1 for other in groups.values() if other == ranks) > 1:
+            # Several groups over the same ranks (two new_group([0, 1]), megatron-core's TP and
+            # DP over one pair): the name tells them apart, the usual cause of such a deadlock.
+            where += f" (group name {wait.group!r})"
         inner = f" ({wait.leaf})" if wait.leaf != wait.op else ""
         return f"{wait.op}{inner} #{wait.seq} of {where}"
     if wait.kind == "recv":

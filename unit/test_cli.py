@@ -301,3 +301,24 @@ def test_import_accounting_is_cheap_and_torch_comes_with_the_first_tensor_api():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.stdout.split() == ["False", "True", "128", "torch"], result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "accounting", "flops", "--preset", "llama3-8b", "--docs", "4096,2048", "--json"],
+        ["-m", "megatron_testkit", "--help"],
+    ],
+)
+def test_a_reader_that_went_away_is_no_traceback(argv: list[str]) -> None:
+    """`python -m accounting flops ... --json | head -c 400` ended in a BrokenPipeError traceback.
+    Here the pipe's read end is closed before the command writes, so every write fails for sure."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, *argv], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == "" and done.returncode == 1, done.stderr

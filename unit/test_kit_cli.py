@@ -81,9 +81,16 @@ def test_the_repro_line_is_exactly_one_line_the_command(tmp_path: Path) -> None:
         "gh run download 42 --repo me/proj --name kit-reports-unit --dir kit-reports-unit && "
         "python -m megatron_testkit repro --from-report kit-reports-unit/kit-report.json\n"
     )
-    # Elsewhere: the downloaded artifact's report, with the caller's own repro command.
+    # Elsewhere, with an artifact: its report, downloaded into a folder of its name.
+    named = _summary(str(tmp_path), "--artifact", "kit-reports-unit", "--repro-line", env=base)
+    assert named.stdout == "python -m megatron_testkit repro --from-report kit-reports-unit/kit-report.json\n"
+    # A local run: the report folder as given, with the caller's own repro command (the line ran
+    # nowhere when it named a bare kit-report.json beside the project's root).
     local = _summary(str(tmp_path), "--repro-line", "--repro-command", "tox -e repro --", env=base)
-    assert local.returncode == 0 and local.stdout == "tox -e repro -- --from-report kit-report.json\n"
+    assert (
+        local.returncode == 0
+        and local.stdout == f"tox -e repro -- --from-report {tmp_path}/kit-report.json\n"
+    )
     # Negative control: without the flag the same call prints the whole summary.
     whole = _summary(str(tmp_path), env=base)
     assert whole.stdout.count("\n") > 1 and "## Kit report" in whole.stdout

@@ -63,8 +63,8 @@ def test_the_summary_shows_admission_and_the_default_share() -> None:
         admission_default_rank_bytes=1 << 30,
     )
     assert summary(session).splitlines()[1] == (
-        "admission: peak 4.00 GiB of 6.52 GiB admitted (KIT_HOST_MEMORY=7GB); 1 tests queued 2.5 s in all; "
-        "1.00 GiB a rank for the 1 rank tests without a memory_budget"
+        "admission: peak 4.00 GiB of 6.52 GiB admitted (KIT_HOST_MEMORY=7GB); 1 test queued 2.5 s in all; "
+        "1.00 GiB a rank for the 1 rank test without a memory_budget"
     )
 
 

@@ -204,3 +204,29 @@ def test_a_state_line_read_mid_rewrite_keeps_the_last_position() -> None:
     detector.observe(0.0, 0, Position("all_reduce #1", 1, 1, True, 1.0, waits))
     detector.observe(3.0, 0, None)  # unreadable this poll
     assert detector.stalled(6.0, 0)
+
+
+def test_two_groups_over_the_same_ranks_are_told_apart_by_name() -> None:
+    """Each rank all-reducing on its own `new_group([0, 1])`: both waits read `all_reduce #1 of group
+    [0, 1]`, an impossible-looking deadlock, until the group's name says they are two groups."""
+    groups = {"5": (0, 1), "6": (0, 1), "0": (0, 1)}
+    views = {
+        0: RankWaits(
+            threads=(Wait("all_reduce", "collective", "5", 1, None, "all_reduce", True, "MainThread"),),
+            groups=groups,
+            entered={"5": 1},
+        ),
+        1: RankWaits(
+            threads=(Wait("all_reduce", "collective", "6", 1, None, "all_reduce", True, "MainThread"),),
+            groups=groups,
+            entered={"6": 1},
+        ),
+    }
+    verdict = judge(views, {0, 1})
+    assert verdict is not None and verdict.cycle in ((0, 1, 0), (1, 0, 1))
+    assert verdict.waits == (
+        "rank 0 waits in all_reduce #1 of group [0, 1] (group name '5') for rank 1",
+        "rank 1 waits in all_reduce #1 of group [0, 1] (group name '6') for rank 0",
+    )
+    # One group over those ranks: no name, as before.
+    assert wait_graph.describe(views[0].threads[0], {"5": (0, 1)}) == "all_reduce #1 of group [0, 1]"

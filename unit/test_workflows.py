@@ -653,7 +653,7 @@ def test_the_summary_gets_the_report_and_chart_once(tmp_path: Path) -> None:
     assert text.count("## Kit report") == 1 and text.count("| test_pair | passed |") == 1
     assert text.count("```mermaid\nxychart-beta") == 1
     assert "bar [600]" in text and "line [768]" in text
-    assert "python -m ci repro --from-report kit-report.json" in text and "kit-reports-L0-cpu" in text
+    assert "python -m ci repro --from-report kit-reports-L0-cpu/kit-report.json" in text
     assert "NCCL flight-recorder" not in text
 
 
