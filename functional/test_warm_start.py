@@ -47,10 +47,15 @@ def _last_run():
 
 @pytest.fixture
 def own_parents():
-    """Warm parents this test starts are its own: ended afterwards, so later tests start fresh."""
+    """Warm parents this test starts are its own: ended afterwards, so later tests start fresh.
+    Under xdist too: the controller's broker is set aside, since the controller cannot import the
+    modules a test writes into its own tmp_path (it answered with a parent that lacked them)."""
     before, failed = dict(warm_start._parents), dict(warm_start._failed)
+    broker = warm_start._broker_path
     warm_start._parents.clear()
+    warm_start.set_broker(None)
     yield
+    warm_start.set_broker(broker)
     warm_start.stop_all()
     warm_start._failed.clear()
     warm_start._parents.update(before)

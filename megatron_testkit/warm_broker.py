@@ -1,7 +1,7 @@
 """One warm parent per session under xdist: the controller starts it, its workers fork from it.
 
 The controller (`megatron_testkit.plugin`) serves a Unix socket from a thread of its own (`Broker`);
-a worker's first launch asks it for the warm parent of its preload set (`ask`), the controller
+a worker's first launch asks it for the warm parent of its preload set (`warm_start.ask_broker`), the controller
 starts it as its own child if it has none (`warm_start.parent_for`), and answers with its socket,
 pid and environment. The worker then connects to the parent directly for each rank, so the rank's
 lifeline is the worker's connection: a worker that dies takes its ranks with it, and the parent
@@ -21,8 +21,7 @@ import threading
 
 from megatron_testkit import warm_start
 
-_MAX_MESSAGE = 1 << 20
-_ASK_TIMEOUT_S = 240.0  # the controller may be importing torch into the parent meanwhile
+_MAX_MESSAGE = warm_start.BROKER_MAX_MESSAGE
 
 
 class Broker:
@@ -63,38 +62,3 @@ class Broker:
         with contextlib.suppress(OSError):
             self.listener.close()
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def ask(path: str, preload: tuple[str, ...]) -> warm_start.WarmParent | None:
-    """The controller's warm parent for ``preload``: `warm_start.WarmStarting` while the controller
-    starts it, `warm_start.WarmRefused` when it could not; None when the broker cannot be reached
-    (the worker then starts its own)."""
-    request = {"preload": list(preload), "env": dict(os.environ)}
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-            sock.settimeout(_ASK_TIMEOUT_S)
-            sock.connect(path)
-            sock.send(json.dumps(request).encode())
-            reply = json.loads(sock.recv(_MAX_MESSAGE) or b"{}")
-    except (OSError, ValueError):
-        return None
-    if not isinstance(reply, dict):
-        return None
-    if reply.get("starting"):
-        raise warm_start.WarmStarting(str(reply["starting"]))
-    if reply.get("error"):
-        raise warm_start.WarmRefused(str(reply["error"]))
-    try:
-        return warm_start.WarmParent(
-            proc=None,
-            folder=os.path.dirname(str(reply["socket"])),
-            socket_path=str(reply["socket"]),
-            preload=tuple(reply["preload"]),
-            env={str(k): str(v) for k, v in reply["env"].items()},
-            preloaded=list(reply["preloaded"]),
-            failed={str(k): str(v) for k, v in reply["failed"].items()},
-            refusal=reply.get("refusal"),
-            remote_pid=int(reply["pid"]),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None

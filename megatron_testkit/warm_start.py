@@ -394,6 +394,43 @@ class WarmStarting(Exception):
 
 
 STARTING = "the warm parent is still starting (importing its preload set)"
+BROKER_MAX_MESSAGE = 1 << 20
+BROKER_ASK_TIMEOUT_S = 240.0  # the controller may be importing torch into the parent meanwhile
+
+
+def ask_broker(path: str, preload: tuple[str, ...]) -> WarmParent | None:
+    """A worker's side of `megatron_testkit.warm_broker`: the controller's warm parent for ``preload``: `WarmStarting` while the controller
+    starts it, `WarmRefused` when it could not; None when the broker cannot be reached
+    (the worker then starts its own)."""
+    request = {"preload": list(preload), "env": dict(os.environ)}
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(BROKER_ASK_TIMEOUT_S)
+            sock.connect(path)
+            sock.send(json.dumps(request).encode())
+            reply = json.loads(sock.recv(BROKER_MAX_MESSAGE) or b"{}")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(reply, dict):
+        return None
+    if reply.get("starting"):
+        raise WarmStarting(str(reply["starting"]))
+    if reply.get("error"):
+        raise WarmRefused(str(reply["error"]))
+    try:
+        return WarmParent(
+            proc=None,
+            folder=os.path.dirname(str(reply["socket"])),
+            socket_path=str(reply["socket"]),
+            preload=tuple(reply["preload"]),
+            env={str(k): str(v) for k, v in reply["env"].items()},
+            preloaded=list(reply["preloaded"]),
+            failed={str(k): str(v) for k, v in reply["failed"].items()},
+            refusal=reply.get("refusal"),
+            remote_pid=int(reply["pid"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def parent_for(
@@ -419,10 +456,8 @@ def parent_for(
                 raise WarmRefused(_failed[key])
             controller_starting = False
             if parent is None and _broker_path is not None:
-                from megatron_testkit import warm_broker
-
                 try:
-                    parent = warm_broker.ask(_broker_path, preload)  # None: start one of our own
+                    parent = ask_broker(_broker_path, preload)  # None: start one of our own
                 except WarmStarting:
                     controller_starting = True
                 if parent is not None:
