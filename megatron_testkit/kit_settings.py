@@ -232,7 +232,8 @@ SETTINGS: tuple[KitSetting, ...] = (
         "KIT_ADMISSION_DIR",
         ENV,
         "set by the kit",
-        "the session's admission ledger, named to its xdist workers and to sessions a test runs inside it",
+        "the session's admission ledger, named to its xdist workers and to sessions a test runs inside it; "
+        "sessions you start with one folder set share one ledger and one limit (docs/testkit.md)",
         internal=True,
     ),
     KitSetting(
@@ -290,7 +291,8 @@ SETTINGS: tuple[KitSetting, ...] = (
         OPTION,
         "unset",
         "write DIR/kit-report.json and DIR/kit-report.md and keep every rank's log under "
-        "DIR/logs/<session>/<test>/ (paths in the report are relative to DIR)",
+        "DIR/logs/<session>/<test>/ (the report names them relative to DIR: rank_logs, and the Markdown "
+        "and failure messages; log_dir keeps the absolute path of the machine that ran)",
     ),
 )
 
@@ -335,7 +337,9 @@ def markdown() -> str:
         ]
         for s in SETTINGS:
             if s.where == where:
-                note = " Set by the kit; not yours to set." if s.internal else ""
+                note = (
+                    " Set by the kit for its own processes; never recorded in a report." if s.internal else ""
+                )
                 lines.append(f"| `{s.name}` | {_cell(s.default)} | {_cell(s.meaning)}.{note} |")
     return "\n".join(lines) + "\n"
 
