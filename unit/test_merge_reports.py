@@ -267,3 +267,17 @@ def test_the_merge_is_linear_in_tests_times_process_reports() -> None:
     # tests did not finish in 9 minutes). python -m ci bench -k merge prints the times.
     small, large = _merge_steps(300), _merge_steps(600)
     assert large < 2.2 * small, (small, large)
+
+
+def test_the_size_caps_are_checked_before_any_report_is_parsed(tmp_path: Path) -> None:
+    """A set over the total cap was parsed report by report first (262 MB read for 145 s before the
+    refusal). Sparse files give the sizes without writing them: no report is ever read here, so
+    the first one's unreadable content must not be what is reported."""
+    per_file = merge_reports.MAX_TOTAL_BYTES // 8 - 1  # nine of these pass the total cap
+    for node in range(9):
+        folder = tmp_path / "reports" / f"node{node}"
+        folder.mkdir(parents=True)
+        with open(folder / "kit-report.json", "wb") as f:
+            f.truncate(per_file)  # zeros: no valid report, but never parsed
+    with pytest.raises(ValueError, match=r"bytes under .*: not one job's reports"):
+        merge_reports.find_reports([tmp_path / "reports"])
