@@ -62,7 +62,11 @@ def own_parents():
     warm_start._failed.update(failed)
 
 
-def test_a_warm_launch_forks_its_ranks_from_the_parent_and_imports_the_test_module_after_the_fork() -> None:
+def test_a_warm_launch_forks_its_ranks_from_the_parent_and_imports_the_test_module_after_the_fork(
+    own_parents: None,
+) -> None:
+    # own_parents: a parent started with this process' environment as it is now (an earlier test
+    # in this process may have changed a variable, which rightly sends launches cold).
     _warm_parent_ready()
     results = run_ranks(where_am_i, 2, timeout=120)
     run = _last_run()
@@ -78,7 +82,8 @@ def test_a_warm_launch_forks_its_ranks_from_the_parent_and_imports_the_test_modu
     assert _last_run().setup_s is not None
 
 
-def test_a_launch_setting_a_variable_that_an_import_may_read_starts_cold() -> None:
+def test_a_launch_setting_a_variable_that_an_import_may_read_starts_cold(own_parents: None) -> None:
+    _warm_parent_ready()  # so that the variable, not a parent still starting, is why it is cold
     results = run_ranks(where_am_i, 2, timeout=120, env={"SOME_LIBRARY_SETTING": "1"})
     run = _last_run()
     assert run.start_mode == "cold"

@@ -66,6 +66,13 @@ ALLOWED_ENV = frozenset(
         # torch sets it in its own process the first time it computes its compile cache's folder
         # (importing megatron-core does), and reads it at each use, never at import.
         "TORCHINDUCTOR_CACHE_DIR",
+        # megatron-core's LanguageModule sets these in its own process whenever it builds a model
+        # (its attention backend), so a session that builds one in-process changed them for every
+        # later launch; Transformer Engine reads them when it picks a backend for each attention
+        # call, never at import.
+        "NVTE_FLASH_ATTN",
+        "NVTE_FUSED_ATTN",
+        "NVTE_UNFUSED_ATTN",
     }
 )
 ALLOWED_ENV_PREFIXES = ("KIT_", "TORCH_NCCL_", "NCCL_")

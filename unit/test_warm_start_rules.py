@@ -108,3 +108,16 @@ def _module(tmp_path: Path, source: str, monkeypatch: pytest.MonkeyPatch) -> typ
     inert = re.sub(r"^([ \t]*)(?:from|import) .*$", r"\1pass", source, flags=re.MULTILINE)
     exec(compile(inert, str(path), "exec"), module.__dict__)
     return module
+
+
+def test_the_attention_backend_variables_megatron_core_sets_in_process_keep_launches_warm() -> None:
+    """Building a megatron-core model in the pytest process (any in-process unit test) sets
+    NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN there, and every later launch of that
+    process went cold (seen in a full run); Transformer Engine reads them at each attention call."""
+    parent = {"PATH": "/usr/bin"}
+    after_a_model = {**parent, "NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"}
+    assert warm_start.env_refusal(after_a_model, parent) is None
+    # A variable of Transformer Engine's that is not among them still sends the launch cold.
+    assert "NVTE_TORCH_COMPILE" in (
+        warm_start.env_refusal({**parent, "NVTE_TORCH_COMPILE": "0"}, parent) or ""
+    )
