@@ -1,15 +1,6 @@
 """`python -m accounting ...`: see accounting/cli.py."""
 
-import os
-import sys
-
 from accounting.cli import main
+from accounting.pipe_exit import run
 
-try:
-    code = main()
-    sys.stdout.flush()
-except BrokenPipeError:
-    # The reader went away (`| head`): nothing more to say, and no traceback at exit either.
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    code = 1
-sys.exit(code)
+run(main)

@@ -384,11 +384,7 @@ def _start(preload: tuple[str, ...], environ: Mapping[str, str] | None = None) -
         hello = None
     if not isinstance(hello, dict):
         parent.stop()
-        tail = (
-            Path(folder, "parent.log").read_bytes()[-600:].decode(errors="replace")
-            if Path(folder).exists()
-            else ""
-        )
+        tail = _log_tail(Path(folder, "parent.log"))
         raise WarmRefused(f"the warm parent did not start: {tail.strip().splitlines()[-1:] or 'no output'}")
     parent.preloaded = list(hello.get("preloaded") or [])
     parent.failed = {str(k): str(v) for k, v in (hello.get("failed") or {}).items()}
@@ -403,6 +399,16 @@ class WarmStarting(Exception):
 STARTING = "the warm parent is still starting (importing its preload set)"
 BROKER_MAX_MESSAGE = 1 << 20
 BROKER_ASK_TIMEOUT_S = 240.0  # the controller may be importing torch into the parent meanwhile
+
+
+def _log_tail(path: Path, size: int = 600) -> str:
+    """The last `size` bytes of the parent's log (it may have grown large: never read whole)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read(size).decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def ask_broker(path: str, preload: tuple[str, ...]) -> WarmParent | None:
