@@ -96,12 +96,26 @@ SCENARIOS = textwrap.dedent(
         return t.item(), torch.get_num_threads(), os.environ["CUDA_DEVICE_MAX_CONNECTIONS"]
 
 
-    # First in the file, so the first test its xdist worker runs: its launch is admitted into an
-    # empty ledger (nothing queued ahead of it), and pytest-timeout's 12 s, which count from the
-    # test's start, are left to the ranks' set-up alone.
-    @pytest.mark.timeout(12, method="signal")
-    def test_interrupted_by_pytest_timeout():
-        run_ranks(hang, 2, timeout=120)
+    def hang_once_marked(rank, world_size, marker_dir):
+        open(os.path.join(marker_dir, f"rank{rank}"), "w").close()
+        time.sleep(600)
+
+
+    # pytest-timeout's own SIGALRM timer and handler, but brought forward to fire half a second
+    # after both ranks are in the function: how long the ranks take to start (over 12 s on a loaded
+    # 2-core runner, where a fixed 12 s timer caught them still in set-up) must not decide where
+    # their stacks are. The 120 s it is set to is the bound if they never get there.
+    @pytest.mark.timeout(120, method="signal")
+    def test_interrupted_by_pytest_timeout(tmp_path):
+        import threading
+
+        def bring_the_timer_forward():
+            while len(list(tmp_path.glob("rank*"))) < 2:
+                time.sleep(0.05)
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+
+        threading.Thread(target=bring_the_timer_forward, daemon=True).start()
+        run_ranks(hang_once_marked, 2, timeout=300, args=(str(tmp_path),))
 
 
     def test_oom():
@@ -269,7 +283,7 @@ def test_collective_timeout_blames_the_rank_that_never_joined(scenarios: dict[st
 def test_an_outer_pytest_timeout_still_shows_the_rank_stacks(scenarios: dict[str, Any]) -> None:
     failure = _failure(scenarios, "test_interrupted_by_pytest_timeout")
     assert failure["kind"] is None  # pytest-timeout's verdict, not the launcher's
-    assert "Timeout (>12.0s) from pytest-timeout" in failure["message"]
+    assert "Timeout (>120.0s) from pytest-timeout" in failure["message"]
     assert "run_ranks was interrupted" in failure["message"]
     assert failure["message"].count(" in hang") >= 2
 
