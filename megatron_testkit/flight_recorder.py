@@ -358,7 +358,7 @@ def parse_dump(dump: Mapping[str, Any], rank: int) -> RankTrace:
                 _shapes(raw.get("output_sizes")),
                 _names(raw.get("output_dtypes")),
                 state == "completed" or raw.get("retired") is True or (not is_p2p and 0 < seq <= completed),
-                _number(raw.get("record_id")),
+                _number(raw.get("record_id"), len(trace.entries)),  # absent: entries are in record order
                 _p2p_peer(profiling) if is_p2p else None,
             )
         )

@@ -179,7 +179,7 @@ def nccl_positions(
 ) -> dict[int, Position]:
     """Each NCCL rank's position from its latest flight-recorder dump (request dumps first).
 
-    Inside = its oldest op not done (op and torch's number of it in its group); work = how many
+    Inside = its oldest op not done (the call, numbered among all its ops); work = how many
     ops it completed, so any completion is progress; waits = the wait-for graph's input
     (`megatron_testkit.fr_waits`, with ``groups`` for group ranks the dump lacks). Ranks without
     a readable dump are left out (they are judged by the host view).
@@ -189,9 +189,10 @@ def nccl_positions(
     out = {}
     for trace in flight_recorder.read_dumps(stem, ranks):
         waits = fr_waits.rank_waits(trace, groups)
-        main = waits.main
+        oldest = min((e for e in trace.entries if not e.done), key=lambda e: e.record_id, default=None)
         out[trace.rank] = Position(
-            inside=f"{main.op} #{main.seq}" if main is not None else None,
+            # Numbered as the wrappers number ``inside``: among all the rank's ops (record ids count them).
+            inside=f"{fr_waits.op_name(oldest.op)} #{oldest.record_id + 1}" if oldest is not None else None,
             seq=trace.first_record + len(trace.entries),
             group_seq=max(trace.enqueued.values(), default=0),
             ready=True,
