@@ -74,13 +74,13 @@ def tensors(entry: Collective) -> tuple[tuple[tuple[int, ...], ...], tuple[str, 
     return entry.input_sizes, tuple(_DTYPES.get(d, d.lower()) for d in entry.input_dtypes)
 
 
-def rank_waits(trace: RankTrace, groups: Mapping[str, Sequence[int]] = {}) -> RankWaits:
+def rank_waits(trace: RankTrace, groups: Mapping[str, Sequence[int]] | None = None) -> RankWaits:
     """What ``trace``'s rank waits on, for the wait-for graph (see the module docstring).
 
     ``groups`` adds group ranks the dump lacks (the CPU build's gloo groups leave ``pg_config``
     empty; the ranks' state lines list each group's ranks); the dump's own ``pg_config`` wins.
     """
-    known = {**{str(k): tuple(v) for k, v in groups.items()}, **trace.groups}
+    known = {**{str(k): tuple(v) for k, v in (groups or {}).items()}, **trace.groups}
     whole = trace.first_record == 0  # nothing dropped from the ring buffer
     in_ring = {e.pg_name for e in trace.entries}
     # A group with no entry left in the ring has an unknown count here, never 0.

@@ -175,7 +175,7 @@ def _own_cpu(pid: int, kit_tids: Any) -> float | None:
 
 
 def nccl_positions(
-    stem: str | os.PathLike[str], ranks: Iterable[int], groups: Mapping[str, Sequence[int]] = {}
+    stem: str | os.PathLike[str], ranks: Iterable[int], groups: Mapping[str, Sequence[int]] | None = None
 ) -> dict[int, Position]:
     """Each NCCL rank's position from its latest flight-recorder dump (request dumps first).
 
