@@ -512,6 +512,7 @@ class _Launch:
         self.ticket: admission.Ticket | None = None
         self.machine_ticket: admission.Ticket | None = None
         self.last_dump_request = 0.0
+        self.fr_cache: dict[int, Any] = {}  # each rank's last flight-recorder reading, by its file's stat
         self.stall_verdict: stall.Stall | None = None
         # What the heartbeat reports: the phase, then each rank's last position and since when.
         self.phase = "queued for admission" if self.ledger is not None else "starting ranks"
@@ -783,7 +784,8 @@ class _Launch:
                 flight_recorder.request_dumps(stem, [r.rank for r in running])  # read at a later poll
             # Group ranks the dumps lack, from the ranks' state lines (the wrappers note each group's).
             groups = {g: m for p in out.values() if p.waits is not None for g, m in p.waits.groups.items()}
-            out = stall.with_flight_recorder(out, stall.nccl_positions(stem, out, groups))
+            recorded = stall.nccl_positions(stem, out, groups, self.fr_cache)
+            out = stall.with_flight_recorder(out, recorded)
         return out
 
     def scan_trees(self) -> None:

@@ -175,31 +175,54 @@ def _own_cpu(pid: int, kit_tids: Any) -> float | None:
 
 
 def nccl_positions(
-    stem: str | os.PathLike[str], ranks: Iterable[int], groups: Mapping[str, Sequence[int]] | None = None
+    stem: str | os.PathLike[str],
+    ranks: Iterable[int],
+    groups: Mapping[str, Sequence[int]] | None = None,
+    cache: dict[int, tuple[Any, Position]] | None = None,
 ) -> dict[int, Position]:
     """Each NCCL rank's position from its latest flight-recorder dump (request dumps first).
 
     Inside = its oldest op not done (the call, numbered among all its ops); work = how many
     ops it completed, so any completion is progress; waits = the wait-for graph's input
     (`megatron_testkit.fr_waits`, with ``groups`` for group ranks the dump lacks). Ranks without
-    a readable dump are left out (they are judged by the host view).
+    a readable dump are left out (they are judged by the host view). ``cache`` (the launch's own
+    dict) keeps each rank's last reading: a dump file not rewritten since is not read again (the
+    launcher polls several times between two dump requests, and a full ring takes a while to read).
     """
     from megatron_testkit import flight_recorder
 
     out = {}
-    for trace in flight_recorder.read_dumps(stem, ranks):
-        waits = fr_waits.rank_waits(trace, groups)
-        oldest = min((e for e in trace.entries if not e.done), key=lambda e: e.record_id, default=None)
-        out[trace.rank] = Position(
-            # Numbered as the wrappers number ``inside``: among all the rank's ops (record ids count them).
-            inside=f"{fr_waits.op_name(oldest.op)} #{oldest.record_id + 1}" if oldest is not None else None,
-            seq=trace.first_record + len(trace.entries),
-            group_seq=max(trace.enqueued.values(), default=0),
-            ready=True,
-            work=float(trace.first_record + sum(e.done for e in trace.entries)),
-            waits=waits,
-        )
+    for rank in ranks:
+        path = flight_recorder.dump_path(stem, rank)
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        key = (st.st_mtime_ns, st.st_size, st.st_ino, len(groups or ()))
+        if cache is not None and rank in cache and cache[rank][0] == key:
+            out[rank] = cache[rank][1]
+            continue
+        try:
+            trace = flight_recorder.parse_dump(flight_recorder.load_dump(path), rank)
+        except (OSError, ValueError):
+            continue
+        out[rank] = _fr_position(trace, groups)
+        if cache is not None:
+            cache[rank] = (key, out[rank])
     return out
+
+
+def _fr_position(trace: Any, groups: Mapping[str, Sequence[int]] | None) -> Position:
+    oldest = min((e for e in trace.entries if not e.done), key=lambda e: e.record_id, default=None)
+    return Position(
+        # Numbered as the wrappers number ``inside``: among all the rank's ops (record ids count them).
+        inside=f"{fr_waits.op_name(oldest.op)} #{oldest.record_id + 1}" if oldest is not None else None,
+        seq=trace.first_record + len(trace.entries),
+        group_seq=max(trace.enqueued.values(), default=0),
+        ready=True,
+        work=float(trace.first_record + sum(e.done for e in trace.entries)),
+        waits=fr_waits.rank_waits(trace, groups),
+    )
 
 
 def with_flight_recorder(

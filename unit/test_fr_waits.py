@@ -249,3 +249,18 @@ def test_a_live_dump_of_real_gloo_ranks_reads_as_the_stored_one(tmp_path: Path) 
     assert strip == [
         (e.pg_name, e.seq, e.op, e.done, e.input_sizes, e.input_dtypes) for e in stored_trace.entries
     ]
+
+
+@pytest.mark.L0
+def test_a_dump_not_rewritten_since_the_last_poll_is_not_read_again(tmp_path: Path) -> None:
+    stem, groups = _stem(tmp_path, "pair_cycle")
+    cache: dict = {}
+    first = stall.nccl_positions(stem, range(3), groups, cache)
+    assert stall.nccl_positions(stem, range(3), groups, cache)[0] is first[0]
+    # Rank 0 dumps again (a new file in its place, as the monitor thread writes it): read anew.
+    newer = tmp_path / "newer"
+    shutil.copy(fr_dumps.STORED / "world_against_side_barrier" / "rank0.json", newer)
+    newer.replace(flight_recorder.dump_path(stem, 0))
+    again = stall.nccl_positions(stem, range(3), groups, cache)
+    assert again[0].waits is not None and again[0].waits.main is not None
+    assert again[0].waits.main.group == "0" and again[1] is first[1]
