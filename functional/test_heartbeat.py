@@ -48,7 +48,10 @@ def test_a_long_launch_prints_one_progress_line_per_interval_past_ten_seconds(tm
     assert out["rc"] == 0, out["output"]
     lines = [line for line in out["output"].splitlines() if line.startswith("test_beat: 2 ranks, ")]
     assert lines, out["output"]
-    seconds = [int(re.match(r"test_beat: 2 ranks, (\d+) s: ", line).group(1)) for line in lines]
+    # Counted from the launch's start; a launch queued for admission (the machine's ledger is shared
+    # with other sessions) says how long it queued.
+    when = r"test_beat: 2 ranks, (\d+) s(?: \(queued \d+ s(?:, running \d+ s)?\))?: "
+    seconds = [int(re.match(when, line).group(1)) for line in lines]
     # The first past the ten seconds, then one per interval (2 s), never two for one interval:
     # the launch lasted at most the session's wall time, so at most one line per 2 s of it.
     assert seconds[0] >= heartbeat.AFTER_S
@@ -64,3 +67,30 @@ def test_kit_heartbeat_zero_prints_nothing(tmp_path: Path) -> None:
     out = run_inner_session(tmp_path, "test_inner.py", INNER, env={"KIT_HEARTBEAT": "0"})
     assert out["rc"] == 0, out["output"]
     assert "test_beat: 2 ranks" not in out["output"]
+
+
+def test_a_progress_line_after_pytests_dots_starts_on_a_new_line(tmp_path: Path) -> None:
+    """pytest's dots (stdout) and the progress lines (stderr) on one pipe, as on a terminal: a
+    quick test leaves ``test_inner.py .`` unfinished when the long launch's first line comes."""
+    import subprocess
+    import sys
+
+    from fixtures.inner_session import inner_env
+
+    source = INNER.replace("def test_beat():", "def test_quick():\n    pass\n\n\ndef test_beat():")
+    (tmp_path / "test_inner.py").write_text(source)
+    env = {**inner_env(), "KIT_HEARTBEAT": "2"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_inner.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout
+    beats = [line for line in run.stdout.splitlines() if "test_beat: 2 ranks, " in line]
+    assert beats, run.stdout
+    assert all(line.startswith("test_beat: 2 ranks, ") for line in beats), beats
+    assert "test_inner.py ." in run.stdout  # the dots were there, on their own line

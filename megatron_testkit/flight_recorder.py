@@ -209,7 +209,14 @@ def wait_for_dumps(
 
 @dataclass(frozen=True)
 class Collective:
-    """One flight-recorder entry: which group, which collective number, which op, how far it got."""
+    """One flight-recorder entry: which group, which collective number, which op, how far it got.
+
+    ``group`` is for people (the group's name, with its description when it has one); ``pg_name``
+    is the group's name as torch keys it (``group.group_name``, what the wrappers key groups by).
+    ``done``: the op completed (its state says so, torch retired it, or the group's status counts
+    it completed: the CPU build's gloo groups leave the state at ``scheduled`` and retire instead).
+    ``peer``: a point-to-point op's peer as the group numbers it (``send 0->1``: 1), or None.
+    """
 
     group: str
     seq: int
@@ -217,17 +224,36 @@ class Collective:
     state: str
     is_p2p: bool = False
     input_sizes: tuple = ()
+    pg_name: str = ""
+    input_dtypes: tuple[str, ...] = ()
+    output_sizes: tuple = ()
+    output_dtypes: tuple[str, ...] = ()
+    done: bool = False
+    record_id: int = 0
+    peer: int | None = None
 
 
 @dataclass
 class RankTrace:
-    """One rank's dump, read: its entries and, per group, the last enqueued and completed numbers."""
+    """One rank's dump, read: its entries and, per group, the last enqueued and completed numbers.
+
+    ``groups``: each group's global ranks from the dump's ``pg_config`` (NCCL fills it; the CPU
+    build's gloo groups leave it empty); ``first_record``: the oldest entry's record id (above 0:
+    the ring buffer dropped older entries, so counts taken from the entries are not whole).
+    """
 
     rank: int
     version: str
     entries: list[Collective] = field(default_factory=list)
     enqueued: dict[str, int] = field(default_factory=dict)
     completed: dict[str, int] = field(default_factory=dict)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    first_record: int = 0
+
+
+# Bounds on what one dump may list (it is read as untrusted input).
+_MAX_ENTRIES = 1 << 16
+_MAX_RANKS = 1 << 16
 
 
 def _group_name(entry: Mapping[str, Any]) -> str:
@@ -238,34 +264,124 @@ def _group_name(entry: Mapping[str, Any]) -> str:
     return str(entry.get("pg_id", "?"))
 
 
+def _pg_name(entry: Mapping[str, Any]) -> str:
+    pg = entry.get("process_group")
+    return str(pg[0])[:200] if isinstance(pg, (list, tuple)) and pg else str(entry.get("pg_id", "?"))[:200]
+
+
+def _number(value: Any, default: int = 0) -> int:
+    """An int field of a dump (the JSON form writes some as strings), ``default`` when it is none."""
+    if isinstance(value, bool):
+        return default
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit() and len(value) < 20:
+        return int(value)
+    return default
+
+
+def _shapes(raw: Any) -> tuple:
+    if not isinstance(raw, (list, tuple)):
+        return ()
+    return tuple(
+        tuple(d for d in shape if isinstance(d, int) and not isinstance(d, bool))
+        for shape in raw[:64]
+        if isinstance(shape, (list, tuple))
+    )
+
+
+def _names(raw: Any) -> tuple[str, ...]:
+    return tuple(str(d)[:40] for d in raw[:64]) if isinstance(raw, (list, tuple)) else ()
+
+
+def _ranks_text(raw: Any) -> tuple[int, ...] | None:
+    """``pg_config``'s ranks, written as the text ``"[0, 1]"``: the ints, or None if it is not that."""
+    if (
+        not isinstance(raw, str)
+        or len(raw) > 16 * _MAX_RANKS
+        or not raw.startswith("[")
+        or not raw.endswith("]")
+    ):
+        return None
+    body = raw[1:-1].strip()
+    parts = [p.strip() for p in body.split(",")] if body else []
+    if not all(p.isdigit() and len(p) < 10 for p in parts):
+        return None
+    return tuple(int(p) for p in parts)
+
+
+def _p2p_peer(name: str) -> int | None:
+    """The group rank of a point-to-point op's peer: ``send 0->1`` -> 1, ``recv 1<-0`` -> 0."""
+    _, _, meta = name.partition(" ")
+    for arrow in ("->", "<-"):
+        if arrow in meta:
+            peer = meta.split(arrow, 1)[1].strip()
+            return int(peer) if peer.isdigit() and len(peer) < 10 else None
+    return None
+
+
 def parse_dump(dump: Mapping[str, Any], rank: int) -> RankTrace:
-    """The parts of a dump that say where a rank is: per group, its collectives and sequence numbers."""
-    trace = RankTrace(rank=rank, version=str(dump.get("version", "?")))
+    """The parts of a dump that say where a rank is: per group, its collectives and sequence numbers.
+
+    The dump is untrusted: fields of the wrong type read as absent, lists are bounded.
+    """
+    trace = RankTrace(rank=rank, version=str(dump.get("version", "?"))[:40])
     names: dict[str, str] = {}
-    for raw in dump.get("entries") or []:
-        group = _group_name(raw)
+    pg_names: dict[str, str] = {}
+    status = dump.get("pg_status")
+    status = status if isinstance(status, dict) else {}
+    raw_entries = dump.get("entries")
+    for raw in raw_entries[:_MAX_ENTRIES] if isinstance(raw_entries, list) else []:
+        if not isinstance(raw, dict):
+            continue
+        group, pg_name = _group_name(raw), _pg_name(raw)
         names[str(raw.get("pg_id"))] = group
-        seq = int(raw.get("p2p_seq_id" if raw.get("is_p2p") else "collective_seq_id") or 0)
-        sizes = tuple(tuple(s) for s in raw.get("input_sizes") or ())
+        pg_names[str(raw.get("pg_id"))] = pg_name
+        is_p2p = raw.get("is_p2p") is True
+        seq = _number(raw.get("p2p_seq_id" if is_p2p else "collective_seq_id"))
+        state = str(raw.get("state"))[:40]
+        pg_status = status.get(str(raw.get("pg_id")))
+        completed = (
+            _number(pg_status.get("last_completed_collective"), -1) if isinstance(pg_status, dict) else -1
+        )
+        profiling = str(raw.get("profiling_name"))[:200]
         trace.entries.append(
             Collective(
                 group,
                 seq,
-                str(raw.get("profiling_name")),
-                str(raw.get("state")),
-                bool(raw.get("is_p2p")),
-                sizes,
+                profiling,
+                state,
+                is_p2p,
+                _shapes(raw.get("input_sizes")),
+                pg_name,
+                _names(raw.get("input_dtypes")),
+                _shapes(raw.get("output_sizes")),
+                _names(raw.get("output_dtypes")),
+                state == "completed" or raw.get("retired") is True or (not is_p2p and 0 < seq <= completed),
+                _number(raw.get("record_id"), len(trace.entries)),  # absent: entries are in record order
+                _p2p_peer(profiling) if is_p2p else None,
             )
         )
-        if not raw.get("is_p2p"):
+        if not is_p2p:
             trace.enqueued[group] = max(trace.enqueued.get(group, 0), seq)
-    for pg_id, status in (dump.get("pg_status") or {}).items():
+    trace.first_record = min((e.record_id for e in trace.entries), default=0)
+    for pg_id, pg_status in list(status.items())[:_MAX_ENTRIES]:
+        if not isinstance(pg_status, dict):
+            continue
         group = names.get(str(pg_id), str(pg_id))
-        enq = int(status.get("last_enqueued_collective", -1))
-        done = int(status.get("last_completed_collective", -1))
+        enq = _number(pg_status.get("last_enqueued_collective"), -1)
+        done = _number(pg_status.get("last_completed_collective"), -1)
         if enq > 0:
             trace.enqueued[group] = max(trace.enqueued.get(group, 0), enq)
         trace.completed[group] = done
+    config = dump.get("pg_config")
+    for key, pg in list(config.items())[:_MAX_ENTRIES] if isinstance(config, dict) else []:
+        if not isinstance(pg, dict):
+            continue
+        name = pg.get("name") if isinstance(pg.get("name"), str) and pg.get("name") else str(key)
+        ranks = _ranks_text(pg.get("ranks"))
+        if name and ranks:
+            trace.groups[name[:200]] = ranks
     return trace
 
 

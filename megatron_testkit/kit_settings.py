@@ -57,8 +57,9 @@ SETTINGS: tuple[KitSetting, ...] = (
         "KIT_HEARTBEAT",
         ENV,
         "15",
-        "seconds between a launch's progress lines once it has run 10 s (where each rank waits, "
-        "also while queued for admission), on the terminal's stderr under pytest's capture; 0: none",
+        "seconds between a launch's progress lines once it has run 10 s since its start (where each "
+        "rank waits, also while queued for admission, and how long it queued), on the terminal's "
+        "stderr under pytest's capture; 0: none",
     ),
     KitSetting(
         "KIT_PG_TIMEOUT_S",

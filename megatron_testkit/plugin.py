@@ -87,6 +87,7 @@ _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
 
 
 _SAVED_ROOTS = pytest.StashKey[tuple]()
+_SAVED_TERMINAL = pytest.StashKey[tuple]()
 _SAVED_WARM = pytest.StashKey[tuple]()
 _WORKER_LOG_ROOT = "kit_log_root"  # this session's log folder, handed to xdist workers
 _WORKER_LEDGER = "kit_admission_dir"  # this session's admission ledger, handed to xdist workers
@@ -420,6 +421,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(golden_plugin, "kit-golden")
     # Saved and restored: a pytester session run in-process must not redirect the outer one's logs.
     config.stash[_SAVED_ROOTS] = (attribution.log_root(), attribution.scratch_root())
+    # The heartbeat starts its lines on a new line when pytest's dots left this one unfinished.
+    config.stash[_SAVED_TERMINAL] = heartbeat.followed_terminal()
+    if _is_xdist_worker(config):
+        heartbeat.follow_terminal(None, column_unknown=True)
+    else:
+        heartbeat.follow_terminal(lambda: _terminal_writer(config))
     if _is_xdist_worker(config):
         root = config.workerinput.get(_WORKER_LOG_ROOT)  # type: ignore[attr-defined]
         if root:
@@ -546,7 +553,16 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(explain(config), red=True)
 
 
+def _terminal_writer(config: pytest.Config) -> Any:
+    """pytest's terminal writer (where its progress dots go), or None without a terminal reporter."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    return getattr(reporter, "_tw", None)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    terminal = config.stash.get(_SAVED_TERMINAL, None)
+    if terminal is not None:
+        heartbeat.follow_terminal(terminal[0], column_unknown=terminal[1])
     saved = config.stash.get(_SAVED_ROOTS, None)
     if saved is not None:
         attribution.set_log_root(saved[0])

@@ -512,6 +512,7 @@ class _Launch:
         self.ticket: admission.Ticket | None = None
         self.machine_ticket: admission.Ticket | None = None
         self.last_dump_request = 0.0
+        self.fr_cache: dict[int, Any] = {}  # each rank's last flight-recorder reading, by its file's stat
         self.stall_verdict: stall.Stall | None = None
         # What the heartbeat reports: the phase, then each rank's last position and since when.
         self.phase = "queued for admission" if self.ledger is not None else "starting ranks"
@@ -525,6 +526,17 @@ class _Launch:
         self.start_reason: str | None = None
         self.children_before: set[int] = set()
         self.started = time.time()
+        # When the wait for admission began, and how long it took (the heartbeat states it).
+        self.admit_started: float | None = None
+        self.admitted_after: float | None = None
+
+    def queued_so_far(self) -> float:
+        """Seconds this launch has waited for admission so far (0 before it asked)."""
+        if self.admit_started is None:
+            return 0.0
+        if self.admitted_after is not None:
+            return self.admitted_after
+        return time.monotonic() - self.admit_started
 
     def admission_share(self) -> int:
         """The bytes this launch's ranks take in the session's ledger: their host budgets (the CUDA
@@ -582,7 +594,9 @@ class _Launch:
         """Once admitted, spawn every rank in its own session, its output going through a pipe to ``rank<N>.log``
         (capped: `megatron_testkit.rank_log`); from now until `close` this process adopts the
         orphans the ranks leave (`proctree.hold_subreaper`)."""
+        self.admit_started = time.monotonic()
         threads = self.admit()
+        self.admitted_after = time.monotonic() - self.admit_started
         self.phase = "starting ranks"
         self.spec_path.write_text(json.dumps(self._spec(self.fn, threads)))
         self.spawned, self.spawned_at = time.monotonic(), time.time()
@@ -755,7 +769,8 @@ class _Launch:
         return stall.StallDetector(self.stall_window)
 
     def positions(self, running: list[_RankProcess]) -> dict[int, stall.Position]:
-        """Each running rank's position (its state line and CPU; on NCCL, its flight recorder's)."""
+        """Each running rank's position (its state line and CPU; on NCCL, its flight recorder's where
+        it has a dump: `stall.with_flight_recorder`)."""
         out = {}
         for r in running:
             position = stall.read_position(self.run_dir, r.rank, r.proc.pid)
@@ -767,10 +782,10 @@ class _Launch:
             if now - self.last_dump_request > max(1.0, self.stall_window / 4):  # a dump costs the rank
                 self.last_dump_request = now
                 flight_recorder.request_dumps(stem, [r.rank for r in running])  # read at a later poll
-            for rank, position in stall.nccl_positions(stem, out).items():
-                out[rank] = stall.Position(
-                    position.inside, position.seq, position.group_seq, out[rank].ready, position.work
-                )
+            # Group ranks the dumps lack, from the ranks' state lines (the wrappers note each group's).
+            groups = {g: m for p in out.values() if p.waits is not None for g, m in p.waits.groups.items()}
+            recorded = stall.nccl_positions(stem, out, groups, self.fr_cache)
+            out = stall.with_flight_recorder(out, recorded)
         return out
 
     def scan_trees(self) -> None:
@@ -1108,7 +1123,7 @@ def run_ranks(
     )
     failure: BaseException | None = None
     name = launch.test_id.rsplit("::", 1)[-1] if launch.in_test else launch.test_id
-    beat = heartbeat.Heartbeat(name, world_size, launch.progress, every).start()
+    beat = heartbeat.Heartbeat(name, world_size, launch.progress, every, launch.queued_so_far).start()
     try:
         launch.start()
         try:

@@ -13,7 +13,8 @@ A rank that computes, or sleeps in user code outside any collective, is never bl
 deadlock verdict needs every live rank inside a collective. On NCCL a collective returns at once
 and the host thread waits in a stream synchronisation the host cannot see, so there the
 position and the progress come from each rank's flight recorder (`nccl_positions`): the op it
-has not completed, and whether its count of completed ops moved.
+has not completed, whether its count of completed ops moved, and its waits for the wait-for
+graph (`megatron_testkit.fr_waits`), which win over the wrappers' (`with_flight_recorder`).
 
 The rank side writes its position into ``rank<N>.state`` (`megatron_testkit.rank_worker`); the
 launcher reads it each poll (`read_position`) and feeds a `StallDetector`, whose `verdict` names
@@ -25,14 +26,15 @@ rank on ties.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit import procfs, wait_graph
+from megatron_testkit import fr_waits, procfs, wait_graph
 from megatron_testkit.wait_graph import RankWaits
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "nccl_positions",
     "read_position",
     "track_work_waits",
+    "with_flight_recorder",
 ]
 
 WINDOW_ENV = "KIT_STALL_WINDOW"  # seconds, or "off"
@@ -171,26 +174,77 @@ def _own_cpu(pid: int, kit_tids: Any) -> float | None:
     return total
 
 
-def nccl_positions(stem: str | os.PathLike[str], ranks: Iterable[int]) -> dict[int, Position]:
+def nccl_positions(
+    stem: str | os.PathLike[str],
+    ranks: Iterable[int],
+    groups: Mapping[str, Sequence[int]] | None = None,
+    cache: dict[int, tuple[Any, Position]] | None = None,
+) -> dict[int, Position]:
     """Each NCCL rank's position from its latest flight-recorder dump (request dumps first).
 
-    Inside = its newest entry that is not ``completed`` (op and sequence number); work = how many
-    of its entries completed, so any completion is progress. Ranks without a readable dump are
-    left out (they are judged by the host view).
+    Inside = its oldest op not done (the call, numbered among all its ops); work = how many
+    ops it completed, so any completion is progress; waits = the wait-for graph's input
+    (`megatron_testkit.fr_waits`, with ``groups`` for group ranks the dump lacks). Ranks without
+    a readable dump are left out (they are judged by the host view). ``cache`` (the launch's own
+    dict) keeps each rank's last reading: a dump file not rewritten since is not read again (the
+    launcher polls several times between two dump requests, and a full ring takes a while to read).
     """
     from megatron_testkit import flight_recorder
 
     out = {}
-    for trace in flight_recorder.read_dumps(stem, ranks):
-        pending = [e for e in trace.entries if e.state != "completed"]
-        last = pending[-1] if pending else None
-        out[trace.rank] = Position(
-            inside=f"{last.op} #{last.seq}" if last is not None else None,
-            seq=len(trace.entries),
-            group_seq=max(trace.enqueued.values(), default=0),
-            ready=True,
-            work=float(sum(e.state == "completed" for e in trace.entries)),
-        )
+    for rank in ranks:
+        path = flight_recorder.dump_path(stem, rank)
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        key = (st.st_mtime_ns, st.st_size, st.st_ino, len(groups or ()))
+        if cache is not None and rank in cache and cache[rank][0] == key:
+            out[rank] = cache[rank][1]
+            continue
+        try:
+            trace = flight_recorder.parse_dump(flight_recorder.load_dump(path), rank)
+        except (OSError, ValueError):
+            continue
+        out[rank] = _fr_position(trace, groups)
+        if cache is not None:
+            cache[rank] = (key, out[rank])
+    return out
+
+
+def _fr_position(trace: Any, groups: Mapping[str, Sequence[int]] | None) -> Position:
+    oldest = min((e for e in trace.entries if not e.done), key=lambda e: e.record_id, default=None)
+    return Position(
+        # Numbered as the wrappers number ``inside``: among all the rank's ops (record ids count them).
+        inside=f"{fr_waits.op_name(oldest.op)} #{oldest.record_id + 1}" if oldest is not None else None,
+        seq=trace.first_record + len(trace.entries),
+        group_seq=max(trace.enqueued.values(), default=0),
+        ready=True,
+        work=float(trace.first_record + sum(e.done for e in trace.entries)),
+        waits=fr_waits.rank_waits(trace, groups),
+    )
+
+
+def with_flight_recorder(
+    host: Mapping[int, Position], recorded: Mapping[int, Position]
+) -> dict[int, Position]:
+    """An NCCL launch's positions: the flight recorder's where a rank has a dump, else the host's.
+
+    The flight recorder's view wins over the wrappers' (`megatron_testkit.fr_waits` says why); the
+    host's readiness stays. With no dump at all (no rank's NCCL group is up yet, or a torch that
+    cannot dump on request) the host's view stands, as on gloo. Once some rank has one, a rank
+    without keeps its host position without waits: the two views number collectives differently,
+    so one graph never mixes them, and until every rank has a dump the per-rank rule judges.
+    """
+    if not recorded:
+        return dict(host)
+    out = {}
+    for rank, position in host.items():
+        fr = recorded.get(rank)
+        if fr is None:
+            out[rank] = dataclasses.replace(position, waits=None)
+        else:
+            out[rank] = dataclasses.replace(fr, ready=position.ready)
     return out
 
 
@@ -352,6 +406,10 @@ class StallDetector:
         where = ""
         if p.waits is not None and p.waits.main is not None:
             where = f"; its main thread in {wait_graph.describe(p.waits.main, p.waits.groups)}"
+            if p.waits.main.thread == fr_waits.FR_THREAD:  # an op on the device, not a thread
+                where = f"; its oldest op not done (flight recorder): {wait_graph.describe(p.waits.main, p.waits.groups)}"
+                if p.work is not None and watch.work_at_since is not None:
+                    work = f", ops completed +{p.work - watch.work_at_since:.0f}"
         return (
             f"rank {rank}: in {p.inside} for {now - watch.since:.1f} s{work}; "
             f"{p.seq} collectives entered, {p.group_seq} of them the group's{where}"

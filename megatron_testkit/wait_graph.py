@@ -14,8 +14,10 @@ stall window):
   new collective within the window) is never in it, nor is a rank whose wait is in a group whose
   sequence is not known on every member (collectives the wrappers cannot see): those are judged
   without it, and no cycle is named through them;
-- members of one group blocked at the same sequence number in different collectives are a
-  collective mismatch, named with both sides.
+- members of one group blocked at the same sequence number in different collectives, or in the
+  same one with tensors of different sizes or dtypes (where both sides' are known: the wrappers
+  note them for tensor arguments, the flight recorder for every op), are a collective mismatch,
+  named with both sides.
 
 The verdict names the rank the others wait for: the one most ranks of the set wait for in a
 group collective it has not entered, or the exited rank. When every rank of the cycle is waited
@@ -28,19 +30,43 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Judgement", "RankWaits", "Wait", "describe", "judge", "parse_waits"]
+__all__ = [
+    "SAME_TENSORS",
+    "Judgement",
+    "RankWaits",
+    "Wait",
+    "describe",
+    "judge",
+    "parse_waits",
+    "tensors_text",
+]
 
 # Bounds on what a rank's state line may list (it is read as untrusted input).
 _MAX_THREADS = 256
 _MAX_GROUPS = 4096
 _MAX_RANKS = 1 << 16
 _KINDS = frozenset({"collective", "send", "recv", "unknown"})
+_MAX_TENSORS = 64
+_MAX_DIMS = 16
+# Collectives whose tensors every member passes with the same sizes and dtypes (the wrappers note
+# the argument named here; the flight recorder, the op's inputs). Others may differ by design:
+# all_to_all's splits, gather's and scatter's lists on their root only, the object collectives.
+SAME_TENSORS = {
+    "all_reduce": "tensor",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "reduce_scatter": "output",
+    "reduce_scatter_tensor": "output",
+}
 
 
 @dataclass(frozen=True)
 class Wait:
     """One thread's wait: the collective (``op``, as called; ``leaf``, the innermost call), its group
-    and sequence number (#k), the peer of a point-to-point op."""
+    and sequence number (#k), the peer of a point-to-point op, and where known the sizes and dtypes
+    of the tensors every member must pass alike (`SAME_TENSORS`)."""
 
     op: str
     kind: str
@@ -50,6 +76,8 @@ class Wait:
     leaf: str
     main: bool
     thread: str
+    sizes: tuple[tuple[int, ...], ...] | None = None
+    dtypes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +139,8 @@ def parse_waits(state: Mapping[str, Any]) -> RankWaits | None:
                 _str(item.get("leaf")) or op,
                 item.get("main") is True,
                 _str(item.get("thread")) or "?",
+                _sizes(item.get("sizes")),
+                _dtypes(item.get("dtypes")),
             )
         )
     groups: dict[str, tuple[int, ...]] = {}
@@ -130,6 +160,33 @@ def parse_waits(state: Mapping[str, Any]) -> RankWaits | None:
         sent=_counts(state.get("sent"), _rank_key),
         received=_counts(state.get("received"), _rank_key),
     )
+
+
+def _sizes(raw: Any) -> tuple[tuple[int, ...], ...] | None:
+    if not isinstance(raw, list) or len(raw) > _MAX_TENSORS:
+        return None
+    shapes = []
+    for shape in raw:
+        if not isinstance(shape, list) or len(shape) > _MAX_DIMS or any(_int(d) is None for d in shape):
+            return None
+        shapes.append(tuple(shape))
+    return tuple(shapes)
+
+
+def _dtypes(raw: Any) -> tuple[str, ...] | None:
+    if not isinstance(raw, list) or len(raw) > _MAX_TENSORS or not all(isinstance(d, str) for d in raw):
+        return None
+    return tuple(d[:40] for d in raw)
+
+
+def tensors_text(wait: Wait) -> str:
+    """``float32 [4]``, ``float32 [4], float32 [2, 2]``: the tensors a wait passes, as far as known."""
+    sizes, dtypes = wait.sizes or (), wait.dtypes or ()
+    parts = [
+        f"{dtypes[i] if i < len(dtypes) else '?'} {list(sizes[i]) if i < len(sizes) else '?'}"
+        for i in range(max(len(sizes), len(dtypes)))
+    ]
+    return ", ".join(parts[:4]) + (f", ... ({len(parts)} tensors)" if len(parts) > 4 else "") or "no tensors"
 
 
 def _rank_key(key: str) -> int | None:
@@ -249,7 +306,8 @@ def judge(
 
 
 def _mismatch(blocked: set[int], views: Mapping[int, RankWaits | None]) -> Judgement | None:
-    """Two blocked members of a group at the same #k in different collectives."""
+    """Two blocked members of a group at the same #k in different collectives, or in the same one
+    with tensors of different sizes or dtypes where both are known (`SAME_TENSORS`)."""
     seen: dict[tuple[str, int], tuple[int, Wait]] = {}
     for r in sorted(blocked):
         view = views.get(r)
@@ -257,10 +315,12 @@ def _mismatch(blocked: set[int], views: Mapping[int, RankWaits | None]) -> Judge
         if wait is None or wait.kind != "collective" or wait.group is None or wait.group in view.inexact:
             continue
         other = seen.setdefault((wait.group, wait.seq), (r, wait))
+        if other[0] == r:
+            continue
+        o, ow = other
+        groups = view.groups
         # ``wait on all_reduce`` (an async op's Work) is the same collective as ``all_reduce``.
-        if _called(other[1]) != _called(wait) and other[0] != r:
-            o, ow = other
-            groups = view.groups
+        if _called(ow) != _called(wait):
             why = (
                 f"collective mismatch: rank {o} is in {describe(ow, groups)} while rank {r} is in "
                 f"{describe(wait, groups)}: members of one group at the same collective of it "
@@ -268,7 +328,29 @@ def _mismatch(blocked: set[int], views: Mapping[int, RankWaits | None]) -> Judge
             )
             lines = (f"rank {o} is in {describe(ow, groups)}", f"rank {r} is in {describe(wait, groups)}")
             return Judgement(o, why, lines, mismatch=True)
+        differ = _tensors_differ(ow, wait)
+        if differ:
+            left = f"{describe(ow, groups)} with {tensors_text(ow)}"
+            right = f"{describe(wait, groups)} with {tensors_text(wait)}"
+            why = (
+                f"collective mismatch: rank {o} is in {left} while rank {r} is in {right}: members of "
+                f"one group at the same collective of it passed tensors of different {differ}; both "
+                f"blocked with no progress for the stall window"
+            )
+            return Judgement(o, why, (f"rank {o} is in {left}", f"rank {r} is in {right}"), mismatch=True)
     return None
+
+
+def _tensors_differ(a: Wait, b: Wait) -> str:
+    """``sizes``, ``dtypes``, ``sizes and dtypes``, or "" (alike, or not known on both sides)."""
+    if _called(a) not in SAME_TENSORS:
+        return ""
+    what = []
+    if a.sizes is not None and b.sizes is not None and a.sizes != b.sizes:
+        what.append("sizes")
+    if a.dtypes is not None and b.dtypes is not None and a.dtypes != b.dtypes:
+        what.append("dtypes")
+    return " and ".join(what)
 
 
 def _called(wait: Wait) -> str:

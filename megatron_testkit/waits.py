@@ -13,7 +13,10 @@ call's own arguments, bound by the function's signature, so ``all_reduce(t, op, 
 - point-to-point ``send``/``recv``/``isend``/``irecv`` as a wait on the peer, numbered per
   direction and peer (the k-th receive from rank 1 meets rank 1's k-th send to this rank);
 - an async op's ``Work``, mapped to its collective when it is created (weak references), so
-  ``Work.wait()`` is a wait in that collective.
+  ``Work.wait()`` is a wait in that collective;
+- for the collectives whose members pass alike tensors (`wait_graph.SAME_TENSORS`), that
+  argument's sizes and dtype (read from the tensor, no copy), so members at one number with
+  different ones are named a collective mismatch.
 
 A group whose count here differs from torch's own sequence number for it (collectives the wrappers
 cannot see: DDP's C++ reducer, functional collectives, ``ProcessGroup`` methods called directly)
@@ -29,6 +32,8 @@ import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
+
+from megatron_testkit.wait_graph import SAME_TENSORS
 
 __all__ = ["P2P_OPS", "WaitTracker"]
 
@@ -68,9 +73,13 @@ class _Frame:
     seq: int = 0
     peer: int | None = None
     reusable: bool = False  # a collective whose first inner call on the same group takes its number
+    tensor: tuple[list[int], str] | None = None  # sizes and dtype of the argument all members pass alike
 
     def as_wait(self) -> dict[str, Any]:
-        return {"op": self.op, "kind": self.kind, "group": self.group, "seq": self.seq, "peer": self.peer}
+        wait = {"op": self.op, "kind": self.kind, "group": self.group, "seq": self.seq, "peer": self.peer}
+        if self.tensor is not None:
+            wait["sizes"], wait["dtypes"] = [self.tensor[0]], [self.tensor[1]]
+        return wait
 
 
 class WaitTracker:
@@ -133,7 +142,9 @@ class WaitTracker:
         elif made is None:
             frame = _Frame("wait", "unknown")
         else:
-            frame = _Frame(f"wait on {made.op}", made.kind, made.group, made.seq, made.peer)
+            frame = _Frame(
+                f"wait on {made.op}", made.kind, made.group, made.seq, made.peer, tensor=made.tensor
+            )
         self.thread_names.setdefault(ident, threading.current_thread().name)
         stack.append(frame)
         return frame
@@ -191,12 +202,13 @@ class WaitTracker:
             counts = self.sent if kind == "send" else self.received
             counts[peer] = counts.get(peer, 0) + 1
             return _Frame(name, kind, group, counts[peer], peer, reusable=True)
+        tensor = _tensor(bound.get(SAME_TENSORS[name])) if name in SAME_TENSORS else None
         if parent is not None and parent.reusable and parent.group == group and parent.kind == "collective":
             parent.reusable = False  # the first inner call is the parent's collective
-            return _Frame(name, "collective", group, parent.seq)
+            return _Frame(name, "collective", group, parent.seq, tensor=tensor)
         self.entered[group] = self.entered.get(group, 0) + 1
         self.ops[group] = self.ops.get(group, 0) + 1
-        return _Frame(name, "collective", group, self.entered[group], reusable=True)
+        return _Frame(name, "collective", group, self.entered[group], reusable=True, tensor=tensor)
 
     def _bind(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Arguments:
         if original not in self._signatures:
@@ -235,6 +247,17 @@ class WaitTracker:
                     live.append((name, group))
             self._live = (len(registry), live)
         return self._live[1]
+
+
+def _tensor(value: Any) -> tuple[list[int], str] | None:
+    """A tensor argument's sizes and dtype (``float32``), read without a copy; None for anything else."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    try:
+        return [int(d) for d in shape], str(dtype).removeprefix("torch.")
+    except (TypeError, ValueError):  # a symbolic or odd shape: not known
+        return None
 
 
 def _weakable(obj: Any) -> bool:

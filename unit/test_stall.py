@@ -164,8 +164,12 @@ def test_on_nccl_the_flight_recorder_gives_the_position_and_the_progress(tmp_pat
     _dump(flight_recorder.dump_path(stem, 1), ["completed", "completed"])
     positions = stall.nccl_positions(stem, [0, 1, 2])
     assert set(positions) == {0, 1}  # rank 2 left no dump: judged by the host view
-    assert positions[0] == Position("nccl:all_reduce #3", 3, 3, True, 2.0)
-    assert positions[1] == Position(None, 2, 2, True, 2.0)
+    # The op is named as the call that makes it; the waits are the wait-for graph's input.
+    assert positions[0] == Position("all_reduce #3", 3, 3, True, 2.0, positions[0].waits)
+    assert positions[0].waits is not None and positions[0].waits.main is not None
+    assert (positions[0].waits.main.op, positions[0].waits.main.seq) == ("all_reduce", 3)
+    assert positions[1] == Position(None, 2, 2, True, 2.0, positions[1].waits)
+    assert positions[1].waits is not None and positions[1].waits.main is None
     # A rank whose op stays started with no op completing, window after window, is stalled.
     detector = StallDetector(WINDOW, min_work=0.5)
     detector.observe(0.0, 0, positions[0])

@@ -230,3 +230,94 @@ def test_two_groups_over_the_same_ranks_are_told_apart_by_name() -> None:
     )
     # One group over those ranks: no name, as before.
     assert wait_graph.describe(views[0].threads[0], {"5": (0, 1)}) == "all_reduce #1 of group [0, 1]"
+
+
+def _with_tensors(op: str, sizes, dtypes) -> RankWaits:
+    wait = Wait(op, "collective", "g01", 2, None, op, True, "MainThread", sizes, dtypes)
+    return RankWaits(threads=(wait,), groups=PAIRS, entered={"g01": 2})
+
+
+def test_members_at_one_number_of_one_collective_with_different_sizes_are_a_mismatch() -> None:
+    views = {
+        0: _with_tensors("all_reduce", ((4,),), ("float32",)),
+        1: _with_tensors("all_reduce", ((8,),), ("float32",)),
+    }
+    verdict = judge(views, {0, 1})
+    assert verdict is not None and verdict.mismatch and verdict.rank == 0
+    assert verdict.why == (
+        "collective mismatch: rank 0 is in all_reduce #2 of group [0, 1] with float32 [4] while rank 1 is in "
+        "all_reduce #2 of group [0, 1] with float32 [8]: members of one group at the same collective of it "
+        "passed tensors of different sizes; both blocked with no progress for the stall window"
+    )
+    assert verdict.waits == (
+        "rank 0 is in all_reduce #2 of group [0, 1] with float32 [4]",
+        "rank 1 is in all_reduce #2 of group [0, 1] with float32 [8]",
+    )
+
+
+def test_different_dtypes_are_a_mismatch_and_unknown_or_free_tensors_are_not() -> None:
+    views = {
+        0: _with_tensors("broadcast", ((4,),), ("float32",)),
+        1: _with_tensors("broadcast", ((4,),), ("bfloat16",)),
+    }
+    verdict = judge(views, {0, 1})
+    assert verdict is not None and "passed tensors of different dtypes" in verdict.why
+    assert "rank 1 is in broadcast #2 of group [0, 1] with bfloat16 [4]" in verdict.why
+    # One side's tensors unknown (a wrapper that saw no tensor argument): nothing to compare.
+    views[1] = _with_tensors("broadcast", None, None)
+    assert judge(views, {0, 1}) is None
+    # all_to_all's splits may differ by design: no mismatch from its sizes.
+    views = {
+        0: _with_tensors("all_to_all_single", ((4,),), ("float32",)),
+        1: _with_tensors("all_to_all_single", ((6,),), ("float32",)),
+    }
+    assert judge(views, {0, 1}) is None
+
+
+def test_a_state_lines_tensors_are_read_bounded() -> None:
+    state = {
+        "waits": [
+            {
+                "op": "all_reduce",
+                "kind": "collective",
+                "group": "g",
+                "seq": 1,
+                "main": True,
+                "sizes": [[2, 3]],
+                "dtypes": ["float32"],
+            }
+        ]
+    }
+    waits = wait_graph.parse_waits(state)
+    assert waits is not None and waits.main is not None
+    assert (waits.main.sizes, waits.main.dtypes) == (((2, 3),), ("float32",))
+    state["waits"][0].update(sizes=[[2, "x"]], dtypes=[3])
+    waits = wait_graph.parse_waits(state)
+    assert (
+        waits is not None and waits.main is not None and (waits.main.sizes, waits.main.dtypes) == (None, None)
+    )
+
+
+def test_the_wrappers_note_a_same_tensor_collectives_sizes_and_dtype(tmp_path: Path) -> None:
+    """A real one-rank gloo group: the tracker reads the tensor argument, by position or keyword."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_testkit.waits import WaitTracker
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        tracker = WaitTracker()
+        frame = tracker.enter("all_reduce", dist.all_reduce, (torch.ones(2, 3),), {})
+        assert frame.as_wait()["sizes"] == [[2, 3]] and frame.as_wait()["dtypes"] == ["float32"]
+        tracker.leave(frame)
+        frame = tracker.enter(
+            "broadcast", dist.broadcast, (), {"tensor": torch.zeros(5, dtype=torch.int64), "src": 0}
+        )
+        assert (frame.as_wait()["sizes"], frame.as_wait()["dtypes"]) == ([[5]], ["int64"])
+        tracker.leave(frame)
+        frame = tracker.enter("all_gather_object", dist.all_gather_object, ([None], {"a": 1}), {})
+        assert "sizes" not in frame.as_wait()  # no tensor all members pass alike
+        tracker.leave(frame)
+    finally:
+        dist.destroy_process_group()
