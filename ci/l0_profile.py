@@ -4,7 +4,7 @@ Loaded only by that command, as a module of its own (``-p kit_l0_profile``, copi
 reports), so that the previous main's tree, which lacks it, loads the same one. Every process of
 the session (the controller, each xdist worker) appends one JSON line per child process it waited
 for, and per in-process nested session (`pytester`'s inline runs), to
-``$KIT_L0_PROFILE_DIR/<pid>.jsonl``: the running test, the kind, the command's first words and the
+``$CI_L0_PROFILE_DIR/<pid>.jsonl``: the running test, the kind, the command's first words and the
 start and end (monotonic seconds). It imports nothing of the kit: the tree under test is what runs.
 """
 
@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-DIR_ENV = "KIT_L0_PROFILE_DIR"
+# Not a KIT_ variable: the kit records those as settings of the run, and this is the bench's own.
+DIR_ENV = "CI_L0_PROFILE_DIR"
 # Processes the kit's report already accounts for (its ranks and its warm parent): not recorded.
 KIT_TAGS = ("kit-rank-", "kit-warm-parent")
 CLI_MODULES = ("accounting", "ci", "megatron_testkit")
