@@ -23,6 +23,8 @@ import pytest
 DIR_ENV = "CI_L0_PROFILE_DIR"
 # Processes the kit's report already accounts for (its ranks and its warm parent): not recorded.
 KIT_TAGS = ("kit-rank-", "kit-warm-parent")
+# An xdist worker, as execnet starts it: the session itself, not a child of any test.
+XDIST_WORKER = "exec(eval(sys.stdin.readline()))"
 CLI_MODULES = ("accounting", "ci", "megatron_testkit")
 
 _state: dict[str, Any] = {"nodeid": None, "path": None}
@@ -30,9 +32,10 @@ _state: dict[str, Any] = {"nodeid": None, "path": None}
 
 def classify(argv: Sequence[str]) -> str | None:
     """``nested`` (a pytest session, or ci/test.sh which runs one), ``cli`` (one of this
-    repository's commands), ``other``; None for the kit's own ranks and warm parent."""
+    repository's commands), ``other``; None for the kit's own ranks and warm parent, and for the
+    session's own xdist workers."""
     words = [str(word) for word in argv]
-    if any(word.startswith(KIT_TAGS) for word in words):
+    if any(word.startswith(KIT_TAGS) or XDIST_WORKER in word for word in words):
         return None
     names = [os.path.basename(word) for word in words]
     if "-mpytest" in words or "pytest" in names[:1] or "py.test" in names[:1] or "test.sh" in names:

@@ -89,6 +89,10 @@ def test_the_table_sets_both_sides_side_by_side_with_the_wall_ratio():
         (["git", "status"], "other"),
         ([sys.executable, "-c", "boot", "kit-rank-1-of-2"], None),  # a cold rank: in the report
         ([sys.executable, "-c", "serve", "{}", "kit-warm-parent"], None),
+        (
+            [sys.executable, "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"],
+            None,
+        ),  # an xdist worker
     ],
 )
 def test_child_processes_are_told_apart_by_their_command(argv, kind):
