@@ -167,7 +167,8 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "l0-bench",
-        "L0 serial against L0 on the CPU row's xdist workers: wall, CPU and peak memory side by side",
+        "L0 serial against L0 on the CPU row's xdist workers: wall, CPU and peak memory side by side; "
+        "--against REF: a previous commit's L0 against this tree's, and where the time goes",
         None,
         _own_parser("ci.l0_bench.main"),
     ),

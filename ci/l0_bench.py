@@ -1,6 +1,10 @@
 """L0 serial against L0 parallel under admission, side by side: wall, CPU and peak memory of each.
 
     python -m ci l0-bench [--workers N] [--reports DIR] [pytest args]
+    python -m ci l0-bench --against [REF] [--workers N] [--reports DIR] [pytest args]
+
+The second form runs L0 of a previous commit against L0 of this tree and prints where the time
+goes (`ci.l0_compare`). The first:
 
 Runs this repository's L0 as the CPU row does (`ci.jobs` L0-cpu: its environment, KIT_HOST_MEMORY
 included, and its pytest arguments) twice, first in one process, then on N xdist workers (default
@@ -69,19 +73,27 @@ class TreeMemory:
         self.thread.join()
 
 
-def run_l0(workers: int, reports: Path, extra: list[str]) -> dict[str, Any]:
-    """One L0 session as the CPU row runs it, on ``workers`` xdist workers (1: one process)."""
+def run_l0(
+    workers: int,
+    reports: Path,
+    extra: list[str],
+    root: Path = ROOT,
+    more_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One L0 session as the CPU row runs it, on ``workers`` xdist workers (1: one process), in the
+    tree ``root`` (default this one; ``more_env`` adds variables, PYTHONPATH among them)."""
     job = dataclasses.replace(JOBS[ROW], workers=workers)
     # Its own session: its own ledger, and no enclosing xdist worker's variables.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
     env.update(job.environment(reports))
+    env.update(more_env or {})
     env.pop("KIT_ADMISSION_DIR", None)
     command = [sys.executable, "-m", "pytest", *pytest_args(job, reports), *job.parallel_args(), *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     reports.mkdir(parents=True, exist_ok=True)
     with open(reports / "pytest.log", "wb") as log:  # the session's output, beside its report
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
         with TreeMemory(proc.pid) as memory:
             returncode = proc.wait()
     wall = time.monotonic() - started
@@ -145,7 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reports", type=Path, default=ROOT / "reports" / "l0-bench", help="report directories go here"
     )
+    parser.add_argument(
+        "--against",
+        nargs="?",
+        const="",
+        metavar="REF",
+        help="instead: L0 of the commit REF (default origin/main, or HEAD~ where that is this commit) "
+        "against L0 of this tree, and where the time goes (ci.l0_compare)",
+    )
     args, extra = parser.parse_known_args(argv)
+    if args.against is not None:
+        from ci import l0_compare
+
+        ref = args.against or l0_compare.default_ref()
+        return l0_compare.run(ref, args.workers, args.reports, extra)
     serial = run_l0(1, args.reports / "serial", extra)
     parallel = run_l0(args.workers, args.reports / "parallel", extra)
     for line in table(serial, parallel):

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 
-from fixtures.inner_session import inner_env
+from fixtures.inner_session import WITHOUT_HYPOTHESIS, inner_env
 from fixtures.stop_signals import as_a_background_job, ignored_signals, with_default_stop_signals
 
 # Ranks that start a helper (as dist_checkpointing's writers do), say so, and wait to be stopped.
@@ -58,7 +58,9 @@ def _start(
     # Its stop signals at their defaults: the tests below signal it as a terminal or CI would,
     # even when this suite runs as a background job (which ignores SIGINT and SIGQUIT).
     return subprocess.Popen(
-        with_default_stop_signals([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args, name]),
+        with_default_stop_signals(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *WITHOUT_HYPOTHESIS, *args, name]
+        ),
         cwd=root,
         env=inner_env(env),
         stdout=subprocess.PIPE,

@@ -2,49 +2,19 @@
 
 `ci/test.sh` turns pytest's "no tests collected" (exit status 5) into a failure, so a row whose
 selection is empty fails every night by construction (the L1 and L2 GPU rows did: every `gpu`
-test was L0). One collection of the whole suite (in a subprocess, as the rows collect it) gives
-each test's markers; each row's `-m` expression is evaluated on them with pytest's own matcher,
-the one `-m` uses.
+test was L0). One collection of the whole suite (in a subprocess, as the rows collect it, shared
+with the other checks that read it: `fixtures.suite_collection`) gives each test's markers; each
+row's `-m` expression is evaluated on them with pytest's own matcher, the one `-m` uses.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from ci.jobs import JOBS, ROOT
+from ci.jobs import JOBS
+from fixtures.suite_collection import whole_suite
 
 pytestmark = pytest.mark.L0
-
-# The rows' mark expressions, matched against every collected test with pytest's `-m` matcher.
-SELECT_ROWS = """
-import json, sys
-import pytest
-from _pytest.mark import MarkMatcher
-from _pytest.mark.expression import Expression
-
-EXPRESSIONS = json.loads(sys.argv[1])
-
-class Select:
-    def __init__(self):
-        self.selected = {name: [] for name in EXPRESSIONS}
-
-    def pytest_collection_finish(self, session):
-        compiled = {name: Expression.compile(expr) for name, expr in EXPRESSIONS.items()}
-        for item in session.items:
-            matcher = MarkMatcher.from_markers(item.iter_markers())
-            for name, expr in compiled.items():
-                if expr.evaluate(matcher):
-                    self.selected[name].append(item.nodeid)
-
-select = Select()
-code = pytest.main(["--collect-only", "-q", "-p", "no:randomly"], plugins=[select])
-print("ROWS " + json.dumps(select.selected))
-sys.exit(int(code))
-"""
 
 TEST_ROWS = {name: job for name, job in JOBS.items() if job.suite == "tests"}
 # Controls of the matcher, evaluated in the same collection: no test is in two tiers, so the
@@ -53,18 +23,10 @@ CONTROLS = {"control: no test": "L0 and L1", "control: L0": "L0"}
 
 
 @pytest.fixture(scope="module")
-def selected() -> dict[str, list[str]]:
+def selected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    suite = whole_suite(tmp_path_factory)
     expressions = {**{name: job.select for name, job in TEST_ROWS.items()}, **CONTROLS}
-    result = subprocess.run(
-        [sys.executable, "-c", SELECT_ROWS, json.dumps(expressions)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("ROWS ")), None)
-    assert result.returncode == 0 and line is not None, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(line.removeprefix("ROWS "))
+    return {name: suite.select(expression) for name, expression in expressions.items()}
 
 
 @pytest.mark.parametrize("row", sorted(TEST_ROWS))

@@ -19,6 +19,7 @@ from ci import gpu_check
 from ci.cli import main
 from ci.gpu_check import pytest_step
 from ci.gpu_check.summary import StepFailed
+from fixtures.suite_collection import whole_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -241,7 +242,7 @@ def test_a_missing_module_fails_the_pytest_step_in_one_line_before_pytest(tmp_pa
 
 
 @pytest.mark.L1
-def test_the_gpu_test_files_hold_every_l0_gpu_test_of_the_tree(tmp_path):
+def test_the_gpu_test_files_hold_every_l0_gpu_test_of_the_tree(tmp_path_factory):
     def collected(*paths: str) -> set[str]:
         run = subprocess.run(
             [
@@ -264,5 +265,7 @@ def test_the_gpu_test_files_hold_every_l0_gpu_test_of_the_tree(tmp_path):
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         return {line for line in run.stdout.splitlines() if "::" in line}
 
-    everything = collected()
+    # The whole tree's `-m "L0 and gpu"`, from the session's one collection of the suite (the
+    # tier and CI-row checks read the same); the GPU step's own files are collected as it does.
+    everything = set(whole_suite(tmp_path_factory).select("L0 and gpu"))
     assert everything and collected(*pytest_step.gpu_test_files()) == everything

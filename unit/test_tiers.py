@@ -1,50 +1,24 @@
 """Every tier selects real tests: `ci/test.sh L1` with nothing in L1 would fail at 3 a.m., so it fails here.
 
-One collection of the whole suite (in a subprocess, as `pytest --co -m <tier>` would collect it)
-counts the tests of each tier. The collection-time check that every test has exactly one tier is
-the plugin's; this checks that no tier has gone empty and that the longer scenarios are in L1.
+One collection of the whole suite (in a subprocess, as `pytest --co -m <tier>` would collect it,
+shared with the other checks that read it: `fixtures.suite_collection`) counts the tests of each
+tier. The collection-time check that every test has exactly one tier is the plugin's; this checks
+that no tier has gone empty and that the longer scenarios are in L1.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from ci.jobs import ROOT, TIERS
+from ci.jobs import TIERS
+from fixtures.suite_collection import whole_suite
 
 pytestmark = pytest.mark.L0
 
-COUNT_TIERS = """
-import json, sys
-import pytest
-
-class Count:
-    def __init__(self):
-        self.tiers = {}
-
-    def pytest_collection_finish(self, session):
-        for item in session.items:
-            names = sorted({m.name for m in item.iter_markers()} & {"L0", "L1", "L2"})
-            self.tiers.setdefault(",".join(names) or "none", []).append(item.nodeid)
-
-count = Count()
-code = pytest.main(["--collect-only", "-q", "-p", "no:randomly"], plugins=[count])
-print("TIERS " + json.dumps(count.tiers))
-sys.exit(int(code))
-"""
-
 
 @pytest.fixture(scope="module")
-def by_tier() -> dict[str, list[str]]:
-    result = subprocess.run(
-        [sys.executable, "-c", COUNT_TIERS], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    line = next((ln for ln in result.stdout.splitlines() if ln.startswith("TIERS ")), None)
-    assert result.returncode == 0 and line is not None, result.stdout[-3000:] + result.stderr[-3000:]
-    return json.loads(line.removeprefix("TIERS "))
+def by_tier(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    return whole_suite(tmp_path_factory).by_tier()
 
 
 @pytest.mark.parametrize("tier", ["L0", "L1", "L2"])
