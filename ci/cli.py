@@ -172,6 +172,12 @@ COMMANDS: tuple[Command, ...] = (
         None,
         _own_parser("ci.l0_bench.main"),
     ),
+    Command(
+        "one-release",
+        "check that this interpreter's `megatron` package comes from one megatron-core release",
+        None,
+        _own_parser("ci.one_release.main"),
+    ),
 )
 
 

@@ -37,8 +37,12 @@ check_installed() {
 # Another release than the newest, in the default place: an overlay venv over `.venv` (the newest
 # release's), holding only that megatron-core. Everything else (torch, the kit, its extras) is
 # `.venv`'s, reached through a .pth file, so a second release costs seconds, not a second 2 GB install.
-# Its own megatron-core comes first on sys.path (`megatron` is a namespace package: the first
-# `megatron/core` found wins) and is the one importlib.metadata reports.
+# Its own megatron-core comes first on sys.path and is the one importlib.metadata reports. `megatron`
+# is a namespace package: Python would merge the base venv's `megatron/` into it and show the newest
+# release's `megatron/training` to this release's core (0.19.2's over 0.16.1's: "No module named
+# megatron.core.tokenizers.utils"). An empty `megatron/__init__.py` here makes the overlay's
+# `megatron` a regular package holding only its own release; `python -m ci one-release` checks it
+# each time the overlay is handed out.
 if [ "${KIT_SYSTEM_PYTHON:-0}" != "1" ] && [ -z "${KIT_VENV:-}" ] && [ "$mcore" != "$newest" ]; then
   base_py=$(KIT_MEGATRON_CORE=$newest bash ci/setup.sh)
   venv=.venv-mcore-$mcore
@@ -53,9 +57,11 @@ if [ "${KIT_SYSTEM_PYTHON:-0}" != "1" ] && [ -z "${KIT_VENV:-}" ] && [ "$mcore" 
     echo "import site; site.addsitedir('$(cd "$base_site" && pwd)')" >"$site/_kit_base_venv.pth"
     "$base_py" -m pip --disable-pip-version-check -q install --no-deps --ignore-requires-python \
       --target "$site" "megatron-core==$mcore" >&2
+    : >"$site/megatron/__init__.py"
     check_installed "$py" "the overlay $venv"
     echo "$want" >"$venv/.kit-installed"
   fi
+  "$py" -m ci one-release >&2
   echo "$py"
   exit 0
 fi

@@ -267,6 +267,14 @@ SETTINGS: tuple[KitSetting, ...] = (
         "(tests that launched ranks or are marked world_size/leak_guard), all, off",
     ),
     KitSetting(
+        "kit_library_helpers",
+        INI,
+        "module:megatron.core.dist_checkpointing",
+        "processes a library keeps for the life of a rank (one a line: module:PREFIX, a multiprocessing "
+        "process started by that module's code; command:TEXT, in its command line): the leak guard ends "
+        "them with the rank and warns once instead of counting them as leaked",
+    ),
+    KitSetting(
         "kit_skip_summary",
         INI,
         "false",

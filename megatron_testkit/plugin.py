@@ -56,6 +56,7 @@ from megatron_testkit import (
     cuda_context,
     golden_plugin,
     heartbeat,
+    library_helpers,
     machine_ledger,
     skips,
     stall,
@@ -94,6 +95,8 @@ _WORKER_LEDGER = "kit_admission_dir"  # this session's admission ledger, handed 
 _WORKER_MACHINE_LEDGER = "kit_machine_ledger"  # and the machine's, when the session is top-level
 _WORKER_WARM_BROKER = "kit_warm_broker"  # where workers ask for this session's warm parents
 _SAVED_SIGNALS = pytest.StashKey[dict]()
+_SAVED_LIBRARY_HELPERS = pytest.StashKey[tuple]()
+_SIGNAL_WATCH = pytest.StashKey[list]()  # under torchrun: `last_words.SignalWatch`, one or none
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -110,6 +113,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "which tests the kit's leak guard checks for leftover child processes and process groups: "
         "'ranks' (default: tests that launched ranks or are marked world_size/leak_guard), 'all', 'off'",
         default="ranks",
+    )
+    parser.addini(
+        "kit_library_helpers",
+        "processes a library keeps for the life of a rank, which the leak guard ends with the rank "
+        "without calling them the test's leak, one a line: 'module:PREFIX' (a multiprocessing process "
+        "started by that module's code) or 'command:TEXT' (in its command line); default "
+        "megatron-core's checkpoint writer (module:megatron.core.dist_checkpointing)",
+        type="linelist",
+        default=list(library_helpers.DEFAULT),
     )
     parser.addini(
         "kit_skip_summary",
@@ -292,6 +304,24 @@ class _KitSession:
                 self.written = f"kit: the report was not written: {exc}"
                 sys.stderr.write(self.written + "\n")
 
+    def write_now(self, why: str, failure: Any, exitstatus: int) -> None:
+        """The report as it stands, written from a thread of the kit's while the main thread cannot
+        (a torchrun rank blocked in a collective, `megatron_testkit.last_words`): the running test
+        fails with ``failure`` (None: it is ``interrupted``), the session's exit status is ``exitstatus``.
+        ``why`` goes to the terminal or CI log, past the running test's captured output."""
+        capman = self.config.pluginmanager.getplugin("capturemanager")
+        uncaptured = capman.global_and_fixture_disabled() if capman else contextlib.nullcontext()
+        with contextlib.suppress(Exception), uncaptured:
+            sys.stderr.write(f"kit: {why}\n")
+            sys.stderr.flush()
+        if failure is None:
+            self.collector.interrupt(f"interrupted ({why})")
+        else:
+            self.collector.fail_running(failure)
+        self.report = build_report(self.session_header(exitstatus), self.collector.rows_json())
+        if self.report_dir is not None:
+            self.written = write_report(self.report, self.report_dir)
+
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         if self.report is None:
             return
@@ -410,6 +440,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in _MARKERS:
         config.addinivalue_line("markers", line)
     _leak_guard_mode(config)  # a bad value is a usage error now, not in the first test's teardown
+    _declare_library_helpers(config)
     _register_skip_policy(config)
     _check_kit_environment()
     from megatron_testkit import warm_start
@@ -441,6 +472,12 @@ def pytest_configure(config: pytest.Config) -> None:
     else:
         kit_session = _KitSession(config)
         config.pluginmanager.register(kit_session, "kit-session-report")
+        from megatron_testkit.ranks import in_torchrun
+
+        if in_torchrun():
+            from megatron_testkit import last_words
+
+            last_words.set_writer(kit_session.write_now)
         if kit_session.logs is not None:
             attribution.set_log_root(str(kit_session.logs.path))
     config.stash[_SAVED_SIGNALS] = _stop_signals_as_interrupt(config)
@@ -514,8 +551,11 @@ def _stop_signals_as_interrupt(config: pytest.Config) -> dict[int, Any]:
         return {}
     source = " from the torchrun agent" if in_torchrun() else ""
     saved: dict[int, Any] = {}
+    watch: list[Any] = []  # under torchrun: the thread that ends a rank whose main thread cannot
 
     def interrupt(signum: int, frame: Any) -> None:
+        for taken in watch:
+            taken.taken()
         # A Python handler, not SIG_IGN: an ignored signal would stay ignored in processes spawned later.
         for stop in saved:
             signal.signal(stop, lambda *_: None)
@@ -540,6 +580,15 @@ def _stop_signals_as_interrupt(config: pytest.Config) -> dict[int, Any]:
     # Ctrl-C stops the session as before; taken here so that it, too, silences the later ones.
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         saved[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+    if in_torchrun() and saved.get(signal.SIGTERM) is not None:
+        # A rank blocked in a collective never runs the handler above: a thread writes its report.
+        from megatron_testkit.last_words import SignalWatch
+
+        try:
+            watch.append(SignalWatch(tuple(s for s in STOP_SIGNALS if s in saved), source))
+        except (OSError, ValueError) as exc:
+            sys.stderr.write(f"kit: no signal watch for this torchrun rank: {exc}\n")
+        config.stash[_SIGNAL_WATCH] = watch
     return saved
 
 
@@ -574,8 +623,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         warm_start.restore_settings(warm)
     for signum, previous in config.stash.get(_SAVED_SIGNALS, {}).items():
         signal.signal(signum, previous)
+    for watch in config.stash.get(_SIGNAL_WATCH, []):
+        watch.close()
+    declared = config.stash.get(_SAVED_LIBRARY_HELPERS, None)
+    if declared is not None:
+        library_helpers.set_declared(declared)
     kit_session = config.pluginmanager.get_plugin("kit-session-report")
     if kit_session is not None:
+        from megatron_testkit import last_words
+
+        last_words.set_writer(None)
         if kit_session.warm_broker is not None:
             kit_session.warm_broker.close()
         kit_session.close_ledger()
@@ -723,7 +780,11 @@ def kit_leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     if not _guarded(request.node, mode):
         return
     problems = []
-    leaked = [p for p in proctree.leaked_children() if p.pid not in before]
+    # A library's helper kept for the process' life (under torchrun, megatron-core's checkpoint
+    # writer in this rank): not the test's leak, said once (`megatron_testkit.library_helpers`).
+    kept = library_helpers.Kept(library_helpers.started())
+    leaked = [p for p in proctree.leaked_children() if p.pid not in before and not kept(p)]
+    library_helpers.warn(kept.seen)
     if leaked:
         problems.append(
             f"{len(leaked)} child process(es) still alive after the test (killed): "
@@ -743,6 +804,20 @@ def kit_leak_guard(request: pytest.FixtureRequest) -> Iterator[None]:
         )
     if problems:
         pytest.fail("kit leak guard: " + " | ".join(problems), pytrace=False)
+
+
+def _declare_library_helpers(config: pytest.Config) -> None:
+    """``kit_library_helpers`` for the session's launches (and, under torchrun, this process: the
+    rank is the pytest process, whose library helpers live as long as it)."""
+    from megatron_testkit.ranks import in_torchrun
+
+    try:
+        entries = library_helpers.parse(config.getini("kit_library_helpers"))
+    except ValueError as exc:
+        raise pytest.UsageError(f"kit: {exc}") from None
+    config.stash[_SAVED_LIBRARY_HELPERS] = library_helpers.set_declared(entries)
+    if in_torchrun():
+        library_helpers.track(entries)
 
 
 def _leak_guard_mode(config: pytest.Config) -> str:

@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -131,11 +132,18 @@ def signal_group(pgid: int, signum: int) -> None:
         os.killpg(pgid, signum)
 
 
-def kill_tree(pgids: list[int], extra: list[psutil.Process] = (), timeout: float = 5.0) -> int:
+def kill_tree(
+    pgids: list[int],
+    extra: list[psutil.Process] = (),
+    timeout: float = 5.0,
+    kept: Callable[[psutil.Process], bool] | None = None,
+) -> int:
     """SIGKILL the groups and the extra processes; wait until they are gone.
 
     Returns how many processes other than the group leaders were still alive (helpers left
-    behind), which the report shows as ``leaked_processes``.
+    behind), which the report shows as ``leaked_processes``; those ``kept`` says yes to (asked while
+    they live) are killed too but not counted (a library's helpers kept for the rank's life,
+    `megatron_testkit.library_helpers`).
     """
     # Only processes still alive count: helpers sampled earlier (e.g. checkpoint writers that
     # megatron forks and joins) may have exited cleanly before the rank did.
@@ -143,6 +151,7 @@ def kill_tree(pgids: list[int], extra: list[psutil.Process] = (), timeout: float
     for proc in extra:
         if proc.pid not in pgids and _is_live(proc):
             leftovers.setdefault(proc.pid, proc)
+    counted = [pid for pid, proc in leftovers.items() if kept is None or not kept(proc)]
     for pgid in pgids:
         signal_group(pgid, signal.SIGKILL)
     for proc in leftovers.values():
@@ -153,7 +162,7 @@ def kill_tree(pgids: list[int], extra: list[psutil.Process] = (), timeout: float
     while alive and time.monotonic() < deadline:
         _gone, alive = psutil.wait_procs(alive, timeout=0.1)
         alive = [p for p in alive if _is_live(p)]
-    return len(leftovers)
+    return len(counted)
 
 
 def _is_live(proc: psutil.Process) -> bool:

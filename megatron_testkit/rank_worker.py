@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit import devices, procfs, rank_result, stall
+from megatron_testkit import devices, library_helpers, procfs, rank_result, stall
 from megatron_testkit.budgets import MemoryBudgetExceeded
 from megatron_testkit.procfs import current_rss_bytes
 from megatron_testkit.waits import WaitTracker
@@ -550,6 +550,11 @@ def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[A
     _seed_everything(spec["seed"] + rank)
     if spec.get("track_collectives", True):
         state.track_collectives()
+    # A library's long-lived helpers (megatron-core's checkpoint writer) noted for the launcher,
+    # which ends them with the rank without calling them the test's leak.
+    library_helpers.track(
+        library_helpers.entries_from_spec(spec.get("library_helpers")), state.run_dir / f"rank{rank}.helpers"
+    )
     if spec.get("main"):
         _load_main(spec["main"])
     with open(spec["payload"], "rb") as f:

@@ -43,6 +43,7 @@ from megatron_testkit import (
     flight_recorder,
     heartbeat,
     kernel_log,
+    library_helpers,
     machine_ledger,
     procfs,
     proctree,
@@ -587,6 +588,7 @@ class _Launch:
             "budget_device_bytes": self.budget.device_bytes,
             "sys_path": sys_path,
             "track_collectives": os.environ.get("KIT_TRACK_COLLECTIVES", "1") != "0",
+            "library_helpers": library_helpers.spec_entries(),
             "main": _main_source() if getattr(fn, "__module__", None) == "__main__" else None,
         }
 
@@ -994,8 +996,12 @@ class _Launch:
         for pid in adopted:
             with contextlib.suppress(psutil.Error):
                 found.append(psutil.Process(pid))
+        # A library's helpers kept for the rank's life (megatron-core's checkpoint writer) end
+        # with it, but are not the test's leak: the ranks noted them, or the ini declares their command.
+        kept = library_helpers.Kept(library_helpers.read_helpers(self.run_dir, self.world_size))
         try:
-            leaked = proctree.kill_tree([r.proc.pid for r in self.ranks], found)
+            leaked = proctree.kill_tree([r.proc.pid for r in self.ranks], found, kept=kept)
+            library_helpers.warn(kept.seen)
             for r in self.ranks:
                 with contextlib.suppress(Exception):
                     r.proc.wait(timeout=5)
@@ -1109,7 +1115,9 @@ def run_ranks(
     if in_torchrun():
         from megatron_testkit.torchrun import run_in_torchrun
 
-        return run_in_torchrun(fn, world_size, backend=backend, args=args)
+        return run_in_torchrun(
+            fn, world_size, backend=backend, args=args, timeout=timeout, stall_window=stall_window
+        )
     every = heartbeat.interval()  # KIT_HEARTBEAT, checked before anything is made
     launch = _Launch(
         fn,

@@ -205,6 +205,15 @@ class ReportCollector:
                 row.failure = Failure(rank=None, kind=None, first_line=why, message=why)
                 row.reported = True
 
+    def fail_running(self, failure: Failure) -> None:
+        """The running test (started, its teardown not arrived) failed with ``failure``, reported
+        from outside its phases (a torchrun rank's deadlock verdict, `megatron_testkit.last_words`)."""
+        for row in self.rows.values():
+            if not row.finished:
+                row.outcome = "failed"
+                row.failure = failure
+                row.reported = True
+
     def rows_json(self) -> list[dict[str, Any]]:
         """Every row in the report's schema (a test that started and reported nothing, in a session
         that was not interrupted, has no outcome to give and is left out)."""

@@ -566,6 +566,7 @@ SUBCOMMANDS = (
     "bench",
     "pip-constraints",
     "l0-bench",
+    "one-release",
 )
 
 
