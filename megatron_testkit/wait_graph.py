@@ -407,7 +407,8 @@ def _deadlock(
     chain = " -> ".join(f"rank {r}" for r in cycle)
     if waited_exited:
         waiting = sorted(r for r in members if root in targets[r].ranks)
-        tail = f"; rank {root} exited while {_ranks_text(waiting)} wait for it: {chain}"
+        verb = "waits" if len(waiting) == 1 else "wait"
+        tail = f"; rank {root} exited while {_ranks_text(waiting)} {verb} for it: {chain}"
     else:
         view = views[root]
         assert view is not None and view.main is not None
