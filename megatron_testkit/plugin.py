@@ -57,6 +57,7 @@ from megatron_testkit import (
     golden_plugin,
     heartbeat,
     machine_ledger,
+    per_test,
     skips,
     stall,
 )
@@ -81,6 +82,7 @@ _MARKERS = (
     "(None: off; default KIT_STALL_WINDOW or 30 s)",
     "fresh_interpreter: the test's launches spawn every rank as a fresh interpreter, never forked from "
     "the warm parent",
+    per_test.MARKER,
 )
 _LEAK_GUARD_MODES = ("ranks", "all", "off")
 _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
@@ -93,6 +95,7 @@ _WORKER_LEDGER = "kit_admission_dir"  # this session's admission ledger, handed 
 _WORKER_MACHINE_LEDGER = "kit_machine_ledger"  # and the machine's, when the session is top-level
 _WORKER_WARM_BROKER = "kit_warm_broker"  # where workers ask for this session's warm parents
 _SAVED_SIGNALS = pytest.StashKey[dict]()
+_SESSION_SHIM = pytest.StashKey[contextlib.ExitStack]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -130,6 +133,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type="bool",
         default=False,
     )
+    per_test.add_options(parser, group)
 
 
 class _KitSession:
@@ -140,7 +144,8 @@ class _KitSession:
         self.collector = ReportCollector()
         self.started = time.time()
         self.rss_start = _rss()
-        option = config.getoption("--kit-report")
+        # A per-test rank's session writes no report: the test's one row is the launching session's.
+        option = None if per_test.inside_rank() else config.getoption("--kit-report")
         self.report_dir = Path(config.invocation_params.dir, option).resolve() if option else None
         try:
             self.logs = SessionLogs(self.report_dir) if self.report_dir is not None else None
@@ -342,6 +347,7 @@ class _KitSession:
             allowed_skips=_allowed_list(self.config.stash.get(_ALLOWED_SKIPS, None)),
             exit_status=exit_status,
             cuda_context=_cuda_context_note(),
+            cpu_substitutions=self.collector.cpu_substitutions(_taken_substitutions()),
             **repro_settings(self.config),
             **self.admission_figures(),
         ).to_json()
@@ -437,6 +443,30 @@ def pytest_configure(config: pytest.Config) -> None:
         if kit_session.logs is not None:
             attribution.set_log_root(str(kit_session.logs.path))
     config.stash[_SAVED_SIGNALS] = _stop_signals_as_interrupt(config)
+    _configure_per_test(config)
+
+
+def _configure_per_test(config: pytest.Config) -> None:
+    """Per-test ranks (`megatron_testkit.per_test`) when asked for; else, with ``kit_cpu_shim``, the
+    CPU layer for the whole session (collection included), as in each per-test rank's session."""
+    ranks = per_test.ranks_setting(config)
+    if ranks:
+        config.pluginmanager.register(per_test.PerTestRanks(config, ranks), "kit-per-test")
+    elif config.getini(per_test.SHIM_INI):
+        from megatron_testkit.megatron_cpu import cpu_shim
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(cpu_shim(import_megatron=False))
+        config.stash[_SESSION_SHIM] = stack
+
+
+def _taken_substitutions() -> dict[str, int]:
+    """The CPU layer's substitutions of this process not yet given to a test's report (none in a
+    per-test rank's session: the rank's record carries them to the launching session)."""
+    shim = sys.modules.get("megatron_testkit.megatron_cpu")
+    if per_test.inside_rank():
+        return {}
+    return shim.take_substitutions() if shim is not None else {}
 
 
 def _register_skip_policy(config: pytest.Config) -> None:
@@ -547,6 +577,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    shim = config.stash.get(_SESSION_SHIM, None)
+    if shim is not None:
+        shim.close()
     saved = config.stash.get(_SAVED_ROOTS, None)
     if saved is not None:
         attribution.set_log_root(saved[0])
@@ -600,7 +633,18 @@ def pytest_collection_modifyitems(
         )
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _SESSION_SHIM in item.config.stash:  # kit_cpu_shim: megatron-core imported since is covered too
+        from megatron_testkit.megatron_cpu import cover_late_imports
+
+        cover_late_imports()
+    apply_test_markers(item)
+
+
+def apply_test_markers(item: pytest.Item) -> None:
+    """The kit's markers for the running test's launches: its ``memory_budget``, ``stall_window``,
+    ``fresh_interpreter`` and ``gpu`` (skipped or failed without enough GPUs)."""
     mark = item.get_closest_marker("memory_budget")
     context = attribution.current()
     if mark is not None and context is not None:
@@ -680,6 +724,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         kit["pytest_rss_after_bytes"] = _rss()
         kit["leaked_processes"] = item.stash.get(_LEAKED, 0)
     kit["worker"] = os.environ.get("PYTEST_XDIST_WORKER")
+    substituted = _taken_substitutions()
+    if substituted:  # the CPU layer's, in this process and the test's ranks: the report's header
+        kit["cpu_substitutions"] = substituted
     report.kit = kit
     return report
 
