@@ -88,7 +88,7 @@ def test_a_rank_that_fails_and_a_deadlock_are_named_with_their_own_evidence(tmp_
     assert (failed["failure"]["rank"], failed["failure"]["kind"]) == (1, "error")
     message = failed["failure"]["message"]
     # The test's own failure in rank 1's session: its assertion, its source line, its file.
-    assert "AssertionError: rank 1 counted 41 ranks" in failed["failure"]["first_line"]
+    assert "AssertionError: rank 1 counted 42 ranks" in failed["failure"]["first_line"]
     assert "assert seen == Utils.world_size" in message
     assert "torchrun_suite/test_suite_groups.py" in message
     hung = rows["test_each_rank_waits_in_a_group_the_other_never_enters"]
@@ -116,6 +116,6 @@ def test_an_eight_rank_test_goes_through_admission_and_passes(tmp_path: Path) ->
     assert run["rc"] == 0, run["output"][-4000:]
     row = run["rows"]["test_eight_ranks_reduce_once"]
     assert row["outcome"] == "passed" and row["world_size"] == 8  # its ranks_per_test(8) marker
-    assert row["launches"][0]["admitted_bytes"] == 8 * share
+    assert row["admitted_bytes"] == 8 * share
     assert run["report"]["session"]["admission_peak_bytes"] == 8 * share
     assert sorted(line.split()[1] for line in run["fixture_log"]) == [str(r) for r in range(8)]
