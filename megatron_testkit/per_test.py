@@ -41,25 +41,26 @@ _FORWARDED = ("-p", "-o", "--override-ini", "--import-mode")
 
 
 def add_options(parser: pytest.Parser, group: Any) -> None:
-    """The mode's command-line option and ini keys, and the CPU layer's ini key."""
+    """The mode's command-line option and ini keys, and the CPU layer's ini key (named as the
+    constants above; written out here, where docs/settings.md's check reads them)."""
     group.addoption(
-        OPTION,
+        "--kit-ranks-per-test",
         metavar="N",
         type=int,
         default=None,
         help="run each selected test on N fresh ranks, each rank a pytest session of its own for "
         "that test with torchrun's environment (a torchrun-style suite, unchanged); 0: off",
     )
-    parser.addini(INI, "the default of --kit-ranks-per-test (0: off)", default="0")
+    parser.addini("kit_ranks_per_test", "the default of --kit-ranks-per-test (0: off)", default="0")
     parser.addini(
-        TABLE_INI,
+        "kit_ranks_per_test_ids",
         "under --kit-ranks-per-test, the ranks of the tests whose id matches a glob, one 'GLOB = N' "
         "per line (the first match wins; a test's ranks_per_test(n) marker comes first)",
         type="linelist",
         default=[],
     )
     parser.addini(
-        SHIM_INI,
+        "kit_cpu_shim",
         "enter the CPU layer (megatron_testkit.megatron_cpu.cpu_shim) for the whole session where "
         "CUDA is absent: NCCL groups get gloo, torch.cuda calls land on the CPU (on in the ranks of "
         "--kit-ranks-per-test too)",
