@@ -117,3 +117,19 @@ def test_a_rank_started_with_stdin_closed_keeps_its_state_file_off_fd_0(tmp_path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     fd, stdin = out.split()
     assert int(fd) > 2 and stdin == "/dev/null"
+
+
+def test_a_per_test_ranks_failure_shows_the_tests_traceback_not_the_kits_frames() -> None:
+    from megatron_testkit.diagnosis import without_kit_frames
+
+    text = (
+        "Traceback (most recent call last):\n"
+        '  File "/x/megatron_testkit/per_test_rank.py", line 70, in run_node\n'
+        '    raise RankTestFailure("\\n\\n".join(outcome.failures))\n'
+        "megatron_testkit.per_test_rank.RankTestFailure: RuntimeError: boom\n"
+        "  def test_x():\n"
+        ">       Utils.initialize_model_parallel(2, 4)\n"
+    )
+    shown = without_kit_frames(text)
+    assert "per_test_rank.py" not in shown and "raise RankTestFailure" not in shown
+    assert ">       Utils.initialize_model_parallel(2, 4)" in shown
