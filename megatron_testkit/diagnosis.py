@@ -221,7 +221,9 @@ def root_cause(records: list[RankRecord]) -> RankRecord | None:
 
 # The kit's own frames between a test's call and torch (collective counting, the wait on an async
 # op): left out of the stacks a failure shows; the rank's log and stacks file keep them.
-_KIT_FRAME = re.compile(r'^\s*File "[^"]*megatron_testkit[/\\](collectives|stall|waits)\.py", line \d+')
+_KIT_FRAME = re.compile(
+    r'^\s*File "[^"]*megatron_testkit[/\\](collectives|stall|waits|per_test_rank)\.py", line \d+'
+)
 
 
 def without_kit_frames(text: str) -> str:

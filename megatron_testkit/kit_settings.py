@@ -258,6 +258,14 @@ SETTINGS: tuple[KitSetting, ...] = (
         "where the kit_metrics fixture and the ranks write a test's metric lines",
         internal=True,
     ),
+    KitSetting(
+        "KIT_PER_TEST_NODE",
+        ENV,
+        "set by the kit",
+        "the test id a rank of --kit-ranks-per-test runs in its own pytest session (per-test ranks "
+        "are off there and it writes no report)",
+        internal=True,
+    ),
     # ---- pytest ini options ([tool.pytest.ini_options], pytest.ini, ...) ----
     KitSetting(
         "kit_leak_guard",
@@ -294,6 +302,28 @@ SETTINGS: tuple[KitSetting, ...] = (
         "false",
         "make a test without exactly one tier marker (L0, L1, L2) a collection error",
     ),
+    KitSetting(
+        "kit_ranks_per_test",
+        INI,
+        "0",
+        "the default of --kit-ranks-per-test: each test on that many fresh ranks (0: off)",
+    ),
+    KitSetting(
+        "kit_ranks_per_test_ids",
+        INI,
+        "none",
+        "under --kit-ranks-per-test, the ranks of the tests whose id matches a glob, one 'GLOB = N' a "
+        "line, the first match wins (a test's ranks_per_test(n) marker comes first), e.g. "
+        "'tests/unit_tests/dist_checkpointing/* = 8'",
+    ),
+    KitSetting(
+        "kit_cpu_shim",
+        INI,
+        "false",
+        "where CUDA is absent, run the whole session inside the CPU layer (cpu_shim: NCCL groups get "
+        "gloo, torch.cuda calls land on the CPU), in each per-test rank's session too; the report "
+        "lists what it substituted (session.cpu_substitutions)",
+    ),
     # ---- pytest command line ----
     KitSetting(
         "--kit-report",
@@ -302,6 +332,14 @@ SETTINGS: tuple[KitSetting, ...] = (
         "write DIR/kit-report.json and DIR/kit-report.md and keep every rank's log under "
         "DIR/logs/<session>/<test>/ (the report names them relative to DIR: rank_logs, and the Markdown "
         "and failure messages; log_dir keeps the absolute path of the machine that ran)",
+    ),
+    KitSetting(
+        "--kit-ranks-per-test",
+        OPTION,
+        "0",
+        "N: run each selected test (not one marked world_size, nor one that calls run_ranks) on N fresh "
+        "ranks, each a pytest session of its own for that test with torchrun's environment "
+        "(docs/testkit.md, per-test ranks); overrides the kit_ranks_per_test ini option",
     ),
 )
 

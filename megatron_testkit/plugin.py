@@ -58,6 +58,7 @@ from megatron_testkit import (
     heartbeat,
     library_helpers,
     machine_ledger,
+    per_test,
     skips,
     stall,
 )
@@ -82,6 +83,7 @@ _MARKERS = (
     "(None: off; default KIT_STALL_WINDOW or 30 s)",
     "fresh_interpreter: the test's launches spawn every rank as a fresh interpreter, never forked from "
     "the warm parent",
+    per_test.MARKER,
 )
 _LEAK_GUARD_MODES = ("ranks", "all", "off")
 _ALLOWED_SKIPS = pytest.StashKey["frozenset[str] | None"]()
@@ -97,6 +99,7 @@ _WORKER_WARM_BROKER = "kit_warm_broker"  # where workers ask for this session's 
 _SAVED_SIGNALS = pytest.StashKey[dict]()
 _SAVED_LIBRARY_HELPERS = pytest.StashKey[tuple]()
 _SIGNAL_WATCH = pytest.StashKey[list]()  # under torchrun: `last_words.SignalWatch`, one or none
+_SESSION_SHIM = pytest.StashKey[contextlib.ExitStack]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -143,6 +146,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type="bool",
         default=False,
     )
+    per_test.add_options(parser, group)
 
 
 class _KitSession:
@@ -153,7 +157,8 @@ class _KitSession:
         self.collector = ReportCollector()
         self.started = time.time()
         self.rss_start = _rss()
-        option = config.getoption("--kit-report")
+        # A per-test rank's session writes no report: the test's one row is the launching session's.
+        option = None if per_test.inside_rank() else config.getoption("--kit-report")
         self.report_dir = Path(config.invocation_params.dir, option).resolve() if option else None
         try:
             self.logs = SessionLogs(self.report_dir) if self.report_dir is not None else None
@@ -373,6 +378,7 @@ class _KitSession:
             allowed_skips=_allowed_list(self.config.stash.get(_ALLOWED_SKIPS, None)),
             exit_status=exit_status,
             cuda_context=_cuda_context_note(),
+            cpu_substitutions=self.collector.cpu_substitutions(_taken_substitutions()),
             **repro_settings(self.config),
             **self.admission_figures(),
         ).to_json()
@@ -481,6 +487,30 @@ def pytest_configure(config: pytest.Config) -> None:
         if kit_session.logs is not None:
             attribution.set_log_root(str(kit_session.logs.path))
     config.stash[_SAVED_SIGNALS] = _stop_signals_as_interrupt(config)
+    _configure_per_test(config)
+
+
+def _configure_per_test(config: pytest.Config) -> None:
+    """Per-test ranks (`megatron_testkit.per_test`) when asked for; else, with ``kit_cpu_shim``, the
+    CPU layer for the whole session (collection included), as in each per-test rank's session."""
+    ranks = per_test.ranks_setting(config)
+    if ranks:
+        config.pluginmanager.register(per_test.PerTestRanks(config, ranks), "kit-per-test")
+    elif config.getini(per_test.SHIM_INI):
+        from megatron_testkit.megatron_cpu import cpu_shim
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(cpu_shim(import_megatron=False))
+        config.stash[_SESSION_SHIM] = stack
+
+
+def _taken_substitutions() -> dict[str, int]:
+    """The CPU layer's substitutions of this process not yet given to a test's report (none in a
+    per-test rank's session: the rank's record carries them to the launching session)."""
+    shim = sys.modules.get("megatron_testkit.megatron_cpu")
+    if per_test.inside_rank():
+        return {}
+    return shim.take_substitutions() if shim is not None else {}
 
 
 def _register_skip_policy(config: pytest.Config) -> None:
@@ -612,6 +642,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     terminal = config.stash.get(_SAVED_TERMINAL, None)
     if terminal is not None:
         heartbeat.follow_terminal(terminal[0], column_unknown=terminal[1])
+    shim = config.stash.get(_SESSION_SHIM, None)
+    if shim is not None:
+        shim.close()
     saved = config.stash.get(_SAVED_ROOTS, None)
     if saved is not None:
         attribution.set_log_root(saved[0])
@@ -673,7 +706,18 @@ def pytest_collection_modifyitems(
         )
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _SESSION_SHIM in item.config.stash:  # kit_cpu_shim: megatron-core imported since is covered too
+        from megatron_testkit.megatron_cpu import cover_late_imports
+
+        cover_late_imports()
+    apply_test_markers(item)
+
+
+def apply_test_markers(item: pytest.Item) -> None:
+    """The kit's markers for the running test's launches: its ``memory_budget``, ``stall_window``,
+    ``fresh_interpreter`` and ``gpu`` (skipped or failed without enough GPUs)."""
     mark = item.get_closest_marker("memory_budget")
     context = attribution.current()
     if mark is not None and context is not None:
@@ -753,6 +797,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         kit["pytest_rss_after_bytes"] = _rss()
         kit["leaked_processes"] = item.stash.get(_LEAKED, 0)
     kit["worker"] = os.environ.get("PYTEST_XDIST_WORKER")
+    substituted = _taken_substitutions()
+    if substituted:  # the CPU layer's, in this process and the test's ranks: the report's header
+        kit["cpu_substitutions"] = substituted
     report.kit = kit
     return report
 

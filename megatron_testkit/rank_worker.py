@@ -63,6 +63,12 @@ def peak_device_bytes() -> int | None:
         return None
 
 
+def _cpu_substitutions() -> dict[str, int]:
+    """What the CPU layer substituted in this rank (`megatron_testkit.megatron_cpu`), if it was used."""
+    shim = sys.modules.get("megatron_testkit.megatron_cpu")
+    return shim.substitutions() if shim is not None else {}
+
+
 def _device_and_platform(backend: str) -> dict[str, str | None]:
     """This rank's own device and the golden platform it names (read by the launcher into its `Run`)."""
     from megatron_testkit.golden import launch_platform
@@ -125,6 +131,7 @@ class _Rank:
                 "in_function": self.in_function,
                 "idle_host_bytes": self.idle_host_bytes,
                 "ready_at": self.ready_at,
+                "cpu_substitutions": _cpu_substitutions(),
                 **fields,
             }
             tmp = self.run_dir / f"rank{self.rank}.json.tmp"
@@ -567,13 +574,15 @@ def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[A
     devices.apply_device_cap(rank, backend, device_cap(state.budget_device))
     from datetime import timedelta
 
-    dist.init_process_group(
-        backend,
-        store=dist.FileStore(spec["store"], spec["world_size"]),
-        rank=rank,
-        world_size=spec["world_size"],
-        timeout=timedelta(seconds=spec["pg_timeout_s"]),
-    )
+    if spec.get("process_group", True):
+        dist.init_process_group(
+            backend,
+            store=dist.FileStore(spec["store"], spec["world_size"]),
+            rank=rank,
+            world_size=spec["world_size"],
+            timeout=timedelta(seconds=spec["pg_timeout_s"]),
+        )
+    # Without one of the kit's (the function makes its own, torchrun-style), the rank is set up now.
     with state.lock:  # the launcher's timeout counts from here (spawn and imports are load, not the test)
         state.ready, state.ready_at = True, time.time()
         state.waits.refresh()
@@ -633,8 +642,26 @@ def run(spec: dict[str, Any], rank: int) -> None:
     _flush_and_exit(0)
 
 
+def _open_standard_fds() -> None:
+    """Open /dev/null on whichever of fds 0-2 is closed, before the rank opens its own files.
+
+    A rank forked with its stdin closed handed fd 0 to its state file, and the first code that
+    redirects stdin (pytest's capture in a per-test rank's session, a subprocess) pointed it at
+    /dev/null: every later state line was lost and the stall rule saw no collective.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != fd:
+                os.dup2(opened, fd)
+                os.close(opened)
+
+
 def main() -> None:
     """Entry point: ``main()`` with ``KIT_RANK_SPEC`` and ``RANK`` in the environment."""
+    _open_standard_fds()
     launcher = os.environ.get(LAUNCHER_ENV)
     _die_with_parent(int(launcher) if launcher and launcher.isdigit() else None)
     _adopt_orphans()

@@ -327,6 +327,16 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     for key in ("time", "ready_at"):
         when = data.get(key)
         out[key] = float(when) if isinstance(when, int | float) and not isinstance(when, bool) else None
+    shim = data.get("cpu_substitutions")
+    out["cpu_substitutions"] = (
+        {
+            str(call)[:256]: n
+            for call, n in list(shim.items())[:64]
+            if isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**53
+        }
+        if isinstance(shim, dict)
+        else {}
+    )
     in_function = data.get("in_function", True)
     out["in_function"] = in_function if isinstance(in_function, bool) else True
     return out
@@ -406,6 +416,7 @@ class _RankProcess:
             rec.extra["in_function"] = data["in_function"]
             rec.extra["idle_host_bytes"] = data["idle_host_bytes"]
             rec.extra["ready_at"] = data["ready_at"]
+            rec.extra["cpu_substitutions"] = data["cpu_substitutions"]
             if data["status"] == "failed" and rec.status in ("ok", "torn_down", "hung"):
                 rec.status = "failed"
         else:
@@ -526,6 +537,7 @@ class _Launch:
         self.start_mode: str | None = None
         self.start_reason: str | None = None
         self.children_before: set[int] = set()
+        self.process_group = True  # the ranks' default group is the kit's (False: fn makes its own)
         self.started = time.time()
         # When the wait for admission began, and how long it took (the heartbeat states it).
         self.admit_started: float | None = None
@@ -589,6 +601,7 @@ class _Launch:
             "sys_path": sys_path,
             "track_collectives": os.environ.get("KIT_TRACK_COLLECTIVES", "1") != "0",
             "library_helpers": library_helpers.spec_entries(),
+            "process_group": self.process_group,
             "main": _main_source() if getattr(fn, "__module__", None) == "__main__" else None,
         }
 
@@ -1031,6 +1044,10 @@ class _Launch:
     def report(self, records: list[RankRecord], failure: BaseException | None, leaked: int) -> None:
         """Attribute the launch to the running test and keep or remove its directory."""
         IDLE_FOOTPRINT.note([r.extra["idle_host_bytes"] for r in records if r.extra.get("idle_host_bytes")])
+        from megatron_testkit.megatron_cpu import add_substitutions
+
+        for r in records:  # the CPU layer's substitutions in the ranks count as this process' own
+            add_substitutions(r.extra.get("cpu_substitutions") or {})
         attribution.record_run(
             Run(
                 world_size=self.world_size,
@@ -1089,6 +1106,7 @@ def run_ranks(
     env: dict[str, str] | None = None,
     budget: MemoryBudget | None = None,
     stall_window: float | str | None = "default",
+    process_group: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh ranks; return their results.
 
@@ -1106,7 +1124,9 @@ def run_ranks(
     admission ledger has room for its ranks' budgets (`megatron_testkit.admission`). Raises
     `RankFailure` when any rank fails, `TypeError` when ``fn`` cannot be imported by name in a
     fresh process, `BudgetBelowFootprint` when the host budget is smaller than an idle rank, and
-    `admission.NeverFits` when its ranks' budgets exceed the runner's memory.
+    `admission.NeverFits` when its ranks' budgets exceed the runner's memory. ``process_group=False``
+    leaves the default group to ``fn`` (a torchrun-style test's own ``init_process_group``, with
+    ``env`` naming its rendezvous); a group it leaves initialised is destroyed after it.
     """
     __tracebackhide__ = True  # pytest shows the kit's message and the rank's traceback, not this source
     # Checked before anything is made or spawned: a bad argument is the caller's, no rank's.
@@ -1129,6 +1149,7 @@ def run_ranks(
         budget=budget,
         stall_window=stall_window,
     )
+    launch.process_group = process_group
     failure: BaseException | None = None
     name = launch.test_id.rsplit("::", 1)[-1] if launch.in_test else launch.test_id
     beat = heartbeat.Heartbeat(name, world_size, launch.progress, every, launch.queued_so_far).start()

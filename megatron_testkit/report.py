@@ -25,6 +25,7 @@ from megatron_testkit.metrics import TestMetrics
 from megatron_testkit.schema import (
     OUTCOMES,
     REPORT_VERSION,
+    CpuSubstitution,
     Failure,
     Launch,
     RankPeak,
@@ -160,6 +161,17 @@ class ReportCollector:
 
     def __init__(self) -> None:
         self.rows: dict[str, TestRow] = {}
+        self.substituted: dict[str, int] = {}  # the CPU layer's substitutions: call -> how often
+
+    def cpu_substitutions(self, more: dict[str, int] | None = None) -> list[CpuSubstitution] | None:
+        """The session's CPU-layer substitutions, each call once with its count (most first);
+        None when the layer substituted nothing."""
+        for call, n in (more or {}).items():
+            self.substituted[call] = self.substituted.get(call, 0) + n
+        if not self.substituted:
+            return None
+        ordered = sorted(self.substituted.items(), key=lambda item: (-item[1], item[0]))
+        return [CpuSubstitution(call, count) for call, count in ordered]
 
     def start(self, nodeid: str) -> None:
         """A test is starting: its row exists from now on, so an interrupt before any of its phases
@@ -185,6 +197,8 @@ class ReportCollector:
         row.worker = kit.get("worker") or row.worker
         row.skip_capability = kit.get("skip_capability") or row.skip_capability
         row.metrics = kit.get("metrics") or row.metrics
+        for call, n in (kit.get("cpu_substitutions") or {}).items():
+            self.substituted[str(call)] = self.substituted.get(str(call), 0) + int(n)
         outcome = _phase_outcome(report)
         if outcome in ("failed", "error") and row.outcome not in ("failed", "error"):
             failure = kit.get("failure")

@@ -38,11 +38,13 @@ from megatron_testkit.metrics import TestMetrics
 # the session's ``cuda_context`` (who created the pytest process' CUDA context, when a test's own
 # code did not); a launch's ``start_mode`` (warm, cold, mixed), ``start_reason``
 # (megatron_testkit.warm_start) and, in the file's launches, ``setup_s``.
-REPORT_VERSION = 4
+# 5: the session's ``cpu_substitutions`` (what the CPU layer, megatron_testkit.megatron_cpu,
+# substituted in the pytest process and its ranks: each call once, with how often).
+REPORT_VERSION = 5
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
-# admission; versions 1 to 3 without the version-4 fields.
-READ_VERSIONS = (1, 2, 3, 4)
+# admission; versions 1 to 3 without the version-4 fields, 1 to 4 without the version-5 ones.
+READ_VERSIONS = (1, 2, 3, 4, 5)
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
 START_MODES = ("warm", "cold", "mixed")
@@ -405,6 +407,15 @@ class Setting:
 
 
 @dataclass
+class CpuSubstitution:
+    """One call the CPU layer substituted in a session (``torch.cuda.set_device``, an NCCL
+    ``new_group`` given gloo), and how often."""
+
+    call: str
+    count: int
+
+
+@dataclass
 class SessionRef:
     """One session of a report folder that several sessions shared (`megatron_testkit.report_merge`):
     who it was, and which rows are its own (``tests[first_test : first_test + tests]``)."""
@@ -468,6 +479,8 @@ class Session:
     # Version 4: who created the pytest process' CUDA context when a test's own code did not (the
     # kit reading a rank's CUDA tensors, or something before any test); None otherwise.
     cuda_context: str | None = None
+    # Version 5: what the CPU layer substituted (most frequent first); None when it substituted nothing.
+    cpu_substitutions: list[CpuSubstitution] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -512,6 +525,16 @@ class Session:
         source = values["runner_memory_source"]
         values["runner_memory_source"] = source if isinstance(source, str) else None
         values["skip_summary"] = values["skip_summary"] if isinstance(values["skip_summary"], bool) else None
+        shim = values["cpu_substitutions"]
+        values["cpu_substitutions"] = (
+            [
+                CpuSubstitution(str(s["call"]), s["count"])
+                for s in shim
+                if isinstance(s, dict) and "call" in s and _is_int(s.get("count"))
+            ]
+            if isinstance(shim, list)
+            else None
+        )
         return cls(**values)
 
 
@@ -566,6 +589,7 @@ _REQUIRED = {
     "TestEntry": ("nodeid", "outcome"),
     "RankPeak": ("rank",),
     "RankMemory": ("rank", "t_s", "rss_bytes"),
+    "CpuSubstitution": ("call", "count"),
 }
 # Integer fields with a narrower range than +-MAX_INT: (low, high), both included; sizes in bytes
 # (``*_bytes``) are 0 to MAX_INT.
@@ -580,10 +604,11 @@ _INT_RANGES = {
     "tests": (0, MAX_TESTS),
     "leaked_processes": (0, MAX_COUNT),
     "line": (1, MAX_INT),
+    "count": (0, MAX_INT),
 }
 # A setting's name and value: environment variables, short.
 MAX_SETTING_CHARS = 4096
-_TEXT_LIMITS = {"nodeid": MAX_NODEID_CHARS, "name": 256, "value": MAX_SETTING_CHARS}
+_TEXT_LIMITS = {"nodeid": MAX_NODEID_CHARS, "name": 256, "value": MAX_SETTING_CHARS, "call": 256}
 # Launches of one test: a test that launches in a loop is still far under this.
 MAX_LAUNCHES = 10_000
 _LIST_LIMITS = {
@@ -591,6 +616,7 @@ _LIST_LIMITS = {
     "tests": MAX_TESTS,
     "launches": MAX_LAUNCHES,
     "settings": 1024,
+    "cpu_substitutions": 1024,
     "memory": MAX_WORLD_SIZE,
     "t_s": MAX_SERIES_POINTS,
     "rss_bytes": MAX_SERIES_POINTS,

@@ -40,7 +40,10 @@ def test_every_kit_variable_the_kit_reads_is_in_the_table() -> None:
 
 
 def test_every_ini_option_and_command_line_option_is_in_the_table() -> None:
-    plugin = (REPO / "megatron_testkit" / "plugin.py").read_text()
+    # The plugin's own, and per-test ranks' (registered by the plugin through per_test.add_options).
+    plugin = "\n".join(
+        (REPO / "megatron_testkit" / name).read_text() for name in ("plugin.py", "per_test.py")
+    )
     ini = set(re.findall(r'addini\(\s*"(\w+)"', plugin))
     options = set(re.findall(r'addoption\(\s*"(--[\w-]+)"', plugin))
     assert ini and options
