@@ -4,7 +4,7 @@
 
 REF (default: ``origin/main``, or ``HEAD~`` where that is absent or is this commit) is checked out
 with ``git worktree add`` into a temporary folder. Both trees' L0 runs as the CPU row runs it
-(`ci.l0_bench.run_l0`: the row's environment and arguments, on its xdist workers), the previous one
+(`ci.l0_run.run_l0`: the row's environment and arguments, on its xdist workers), the previous one
 first, each with its own tree first on PYTHONPATH and the same pytest plugin
 (`ci.l0_profile`, loaded as a module of its own) recording the child processes of every test.
 Then, for each: wall and CPU time, and the test time split into rank launches (the report's
@@ -30,7 +30,7 @@ from typing import Any
 
 from accounting.json_input import JsonInputError, load_json, parse_json, read_regular_file
 from ci import l0_profile
-from ci.l0_bench import ROOT, run_l0
+from ci.l0_run import ROOT, run_l0
 
 # The order in which time in overlapping child processes is counted: a moment inside a nested
 # session is the session's, whatever else ran beside it.

@@ -63,6 +63,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-core {version}: every part of `megatron` is in {home}")
     return 1 if problems else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

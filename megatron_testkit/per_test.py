@@ -203,7 +203,7 @@ class PerTestRanks:
 def _set_up(item: pytest.Item) -> None:
     """The kit's markers for the launch (budget, stall window, gpu gate) and the test's skip marks,
     read here; the test's fixtures run in its ranks."""
-    from megatron_testkit.plugin import apply_test_markers
+    from megatron_testkit.marker_context import apply_test_markers
 
     for mark in item.iter_markers("skip"):
         pytest.skip(str(mark.kwargs.get("reason", mark.args[0] if mark.args else "unconditional skip")))
