@@ -33,6 +33,11 @@ def where_am_i(rank: int, world_size: int) -> tuple[int, int, int, bool]:
     return os.getpid(), os.getppid(), IMPORTED_IN, "torch" in sys.modules
 
 
+def where_am_i_and_the_module(rank: int, world_size: int, module: str) -> tuple[int, int, int, bool, bool]:
+    """`where_am_i`, and whether ``module`` was imported in this rank (by the parent it forked from)."""
+    return (*where_am_i(rank, world_size), module in sys.modules)
+
+
 def _warm_parent_ready() -> None:
     """Wait until the warm parent of the current preload set is up: a launch never waits for it
     (while it imports torch, launches start cold)."""
@@ -51,15 +56,21 @@ def own_parents():
     Under xdist too: the controller's broker is set aside, since the controller cannot import the
     modules a test writes into its own tmp_path (it answered with a parent that lacked them)."""
     before, failed = dict(warm_start._parents), dict(warm_start._failed)
+    dropped, lines = dict(warm_start._dropped), len(warm_start._dropped_lines)
     broker = warm_start._broker_path
     warm_start._parents.clear()
     warm_start.set_broker(None)
     yield
     warm_start.set_broker(broker)
+    for starting in list(warm_start._starting.values()):  # a rebuild still importing: ended too
+        starting.wait(warm_start._START_TIMEOUT_S)
     warm_start.stop_all()
     warm_start._failed.clear()
     warm_start._parents.update(before)
     warm_start._failed.update(failed)
+    warm_start._dropped.clear()
+    warm_start._dropped.update(dropped)
+    del warm_start._dropped_lines[lines:]  # the outer session's header does not report them
 
 
 def test_a_warm_launch_forks_its_ranks_from_the_parent_and_imports_the_test_module_after_the_fork(
@@ -133,11 +144,28 @@ def test_a_thread_started_in_the_parent_falls_back_to_cold_with_the_reason(
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("KIT_WARM_PRELOAD", "kit_starts_a_thread")
     _warm_parent_ready()
+    mark = warm_start.dropped_mark()
+    first = warm_start.parent_for(warm_start.preload_set())
     results = run_ranks(where_am_i, 2, timeout=120)
     run = _last_run()
     assert run.start_mode == "cold"
     assert "runs 2 OS threads" in (run.start_reason or ""), run.start_reason
     assert all(ppid == os.getpid() for _pid, ppid, _i, _t in results)
+    # The module that started the thread is named, dropped from the set, and the parent rebuilt
+    # without it: once the new parent is up, launches are warm again and never see the module.
+    assert "kit_starts_a_thread started 1 OS thread at import" in (run.start_reason or "")
+    _warm_parent_ready()
+    for _ in range(2):
+        results = run_ranks(where_am_i_and_the_module, 2, args=("kit_starts_a_thread",), timeout=120)
+        assert _last_run().start_mode == "warm", _last_run().start_reason
+        assert {r[4] for r in results} == {False}  # the rebuilt parent never imported it
+        parents = {r[1] for r in results}
+        assert len(parents) == 1 and parents <= warm_start.parent_pids() and first.pid not in parents
+    assert not _alive(first.pid)  # the unsafe parent ended once its replacement was up
+    (line,) = warm_start.dropped_since(mark)  # said once, for the session's header
+    assert line.startswith(
+        "kit_starts_a_thread was dropped from the warm preload set: it started 1 OS thread"
+    )
 
 
 # A rank that starts a sleeper without its session and environment (no launch marker), and exits

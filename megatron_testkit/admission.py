@@ -10,6 +10,10 @@ what is free, and otherwise waits, first come first served, the wait recorded as
 - A launch's share: its host budget per rank (the CUDA host allowance included,
   `devices.rank_host_budget`), or `DEFAULT_RANK_BYTES` (``KIT_DEFAULT_RANK_MEMORY``) for a test
   that declares none. A share larger than the whole runner can never fit: `NeverFits` at once.
+- A warm parent (`megatron_testkit.warm_start`) is counted once, at its resident memory after its
+  imports, by the process that started it (`Ledger.charge`): not per worker that forks from it nor
+  per launch. It runs already, so it is recorded at once; launches after it wait for room instead.
+  Its entry names the parent, so it leaves the ledger when the parent stops or dies.
 - Over-commit is impossible by construction: every read-check-write of the ledger runs under an
   exclusive ``flock`` of its lock file (`safe_write.Folder.lock`; read by the bounded reader,
   written atomically by the one writer), and the entries of dead processes are reclaimed by
@@ -532,6 +536,22 @@ class Ledger:
         for session in ledger["sessions"].values():
             session["peak_bytes"] = max(int(session.get("peak_bytes") or 0), total)
         return Ticket(me["id"], me["bytes"], cores, threads, round(waited, 3), total)
+
+    def charge(self, pid: int, size: int, label: str) -> Ticket:
+        """Count ``size`` bytes that the running process ``pid`` holds (a warm parent), at once: it
+        runs already, so it is never queued, and the launches after it wait for room instead. Its
+        entry names that process, so it leaves the ledger at `release` or when the process ends."""
+        pid, start = _identity(pid)
+        me = {"id": uuid.uuid4().hex, "pid": pid, "start": start, "bytes": size, "cores": 0, "label": label}
+        with self._locked():
+            ledger, _changed = self._read()
+            ledger["entries"].append({**me, "since": time.time()})
+            total = sum(e["bytes"] for e in ledger["entries"])
+            ledger["peak_bytes"] = max(int(ledger.get("peak_bytes") or 0), total)
+            for session in ledger["sessions"].values():
+                session["peak_bytes"] = max(int(session.get("peak_bytes") or 0), total)
+            self._save(ledger)
+        return Ticket(me["id"], size, 0, 0, 0.0, total)
 
     def release(self, ticket: Ticket) -> None:
         """The launch ended: its share is free again. A release that cannot be written (a full disk)

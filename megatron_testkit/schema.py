@@ -38,11 +38,13 @@ from megatron_testkit.metrics import TestMetrics
 # the session's ``cuda_context`` (who created the pytest process' CUDA context, when a test's own
 # code did not); a launch's ``start_mode`` (warm, cold, mixed), ``start_reason``
 # (megatron_testkit.warm_start) and, in the file's launches, ``setup_s``.
-REPORT_VERSION = 4
+# 5: the session's ``warm_preload_dropped`` (modules dropped from the warm preload set because
+# their import made forking unsafe).
+REPORT_VERSION = 5
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
-# admission; versions 1 to 3 without the version-4 fields.
-READ_VERSIONS = (1, 2, 3, 4)
+# admission; versions 1 to 3 without the version-4 fields; 1 to 4 without the version-5 field.
+READ_VERSIONS = (1, 2, 3, 4, 5)
 # ``interrupted``: the session was stopped (Ctrl-C, SIGTERM) while the test ran; see the session's
 # ``exit_status``.
 START_MODES = ("warm", "cold", "mixed")
@@ -468,6 +470,9 @@ class Session:
     # Version 4: who created the pytest process' CUDA context when a test's own code did not (the
     # kit reading a rank's CUDA tensors, or something before any test); None otherwise.
     cuda_context: str | None = None
+    # Version 5: one line per module dropped from the warm preload set (its import started a thread
+    # or initialised CUDA; the warm parent was rebuilt without it); None when none was.
+    warm_preload_dropped: list[str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -495,6 +500,10 @@ class Session:
         values["duration_s"] = float(values["duration_s"] or 0.0)
         allowed = values["allowed_skips"]
         values["allowed_skips"] = [str(a) for a in allowed] if isinstance(allowed, list) else None
+        dropped = values["warm_preload_dropped"]
+        values["warm_preload_dropped"] = (
+            [str(a) for a in dropped] if isinstance(dropped, list) and dropped else None
+        )
         merged = values["sessions"]
         values["sessions"] = [r for r in merged if isinstance(r, dict)] if isinstance(merged, list) else None
         settings = values["settings"]
