@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from fixtures.inner_session import run_inner_session
-from megatron_testkit import attribution, warm_start
+from megatron_testkit import admission, attribution, machine_ledger, warm_start
 from megatron_testkit.ranks import run_ranks
 
 pytestmark = pytest.mark.L0
@@ -168,6 +168,42 @@ def test_a_thread_started_in_the_parent_falls_back_to_cold_with_the_reason(
     )
 
 
+def test_the_warm_parents_memory_is_in_the_admission_ledgers_once_and_leaves_them_with_it(
+    own_parents: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Ledgers of this test's own, large enough that no launch waits: the session's and the machine's.
+    room = admission.Capacity(64 << 30, 2, "this test")
+    session = admission.Ledger.create(tmp_path / "session", room)
+    machine = machine_ledger.MachineLedger.create(tmp_path / "machine", room)
+    monkeypatch.setenv(admission.LEDGER_ENV, str(session.folder))
+    monkeypatch.setenv(machine_ledger.MACHINE_LEDGER_ENV, str(machine.folder))
+    parent = warm_start.parent_for(warm_start.preload_set())
+    rss = psutil.Process(parent.pid).memory_info().rss
+    for ledger in (session, machine):
+        (entry,) = ledger.snapshot()["entries"]  # the parent's, and nothing else yet
+        assert entry["pid"] == parent.pid
+        # Its resident memory when it was charged. The parent has been idle in its serve loop
+        # since: its RSS moves by the few pages that loop touches, far below 10% of a process that
+        # imported torch (an idle rank is about 170-230 MiB).
+        assert 0.9 * rss <= entry["bytes"] <= 1.1 * rss, (entry["bytes"], rss)
+    # Launches fork from it: it stays one entry (not one per launch), theirs come and go.
+    for _ in range(2):
+        results = run_ranks(where_am_i, 2, timeout=120)
+        assert {ppid for _pid, ppid, _i, _t in results} == {parent.pid}
+        for ledger in (session, machine):
+            assert [e["pid"] for e in ledger.snapshot()["entries"]] == [parent.pid]
+    # It leaves both ledgers when it stops...
+    warm_start.stop_all()
+    assert session.snapshot()["entries"] == machine.snapshot()["entries"] == []
+    # ... and when it dies without a word: its entry names the process, which is gone.
+    again = warm_start.parent_for(warm_start.preload_set())
+    assert [e["pid"] for e in session.snapshot()["entries"]] == [again.pid]
+    os.kill(again.pid, signal.SIGKILL)
+    assert again.proc is not None
+    again.proc.wait(timeout=30)
+    assert session.snapshot()["entries"] == machine.snapshot()["entries"] == []
+
+
 # A rank that starts a sleeper without its session and environment (no launch marker), and exits
 # at once: the launcher never sees the sleeper in the rank's tree; it re-parents to the warm parent,
 # which hands it back to the launch. In an inner session: the leak it counts is that session's.
@@ -288,12 +324,17 @@ TWO_WORKERS = textwrap.dedent(
 
     import pytest
 
-    from megatron_testkit import warm_start
+    from megatron_testkit import admission, warm_start
     from megatron_testkit.ranks import run_ranks
 
 
     def parent_of_rank(rank, world_size):
         return os.getppid()
+
+
+    def charged(pid):
+        # How many entries of the session's admission ledger name this process.
+        return sum(e["pid"] == pid for e in admission.session_ledger().snapshot()["entries"])
 
 
     @pytest.mark.parametrize("n", range(4))
@@ -302,6 +343,8 @@ TWO_WORKERS = textwrap.dedent(
         (ppid,) = run_ranks(parent_of_rank, 1, timeout=120)
         with open(f"ppid.{os.environ['PYTEST_XDIST_WORKER']}.{n}", "w") as f:
             f.write(f"{ppid} {os.getppid()} {os.getpid()}")
+        with open(f"charged.{os.environ['PYTEST_XDIST_WORKER']}.{n}", "w") as f:
+            f.write(str(charged(ppid)))
     """
 )
 
@@ -317,3 +360,6 @@ def test_two_xdist_workers_fork_from_the_controllers_one_warm_parent(tmp_path: P
     assert len(parents) == 1 and len(controllers) == 1, seen  # one warm parent for the session
     launches = [launch for row in result["rows"].values() for launch in row["launches"]]
     assert [launch["start_mode"] for launch in launches] == ["warm"] * 4, launches
+    # Its memory is in the session's admission ledger once, whichever worker looks, after any launch.
+    charged = [int(p.read_text()) for p in tmp_path.glob("charged.gw*")]
+    assert charged == [1] * 4, charged
