@@ -308,7 +308,7 @@ def test_good_pair_passes_and_its_peaks_are_reported(scenarios: dict[str, Any]) 
 
 def test_report_files_hold_every_test_of_the_session(scenarios: dict[str, Any]) -> None:
     report, rows = scenarios["report"], scenarios["rows"]
-    assert report["version"] == REPORT_VERSION == 4
+    assert report["version"] == REPORT_VERSION == 5
     assert set(rows) == {
         "test_oom",
         "test_crash",

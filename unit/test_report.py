@@ -205,7 +205,7 @@ def test_the_schema_is_the_report_contract_and_round_trips() -> None:
     assert set(report["tests"][0]) >= TEST_KEYS
     # 2: metrics per test; 3: launches as records, admission; 4: rank_logs, line, memory, cuda_context,
     # start_mode
-    assert report["version"] == REPORT_VERSION == 4
+    assert report["version"] == REPORT_VERSION == 5
     parsed = Report.from_json(json.loads(json.dumps(report)))
     assert parsed.to_json() == report
     assert parsed.tests[0].failure is not None and (
@@ -246,7 +246,7 @@ def test_a_rows_json_is_what_dataclasses_asdict_gives_and_shares_no_list_with_th
 @pytest.mark.parametrize(
     ("broken", "says"),
     [
-        ({"version": 5, "session": {}, "tests": []}, "not a version-4 kit report (version: 5)"),
+        ({"version": 6, "session": {}, "tests": []}, "not a version-5 kit report (version: 6)"),
         ({"version": 1, "session": {}, "tests": {}}, "no 'tests' list"),
         ({"version": 1, "session": [], "tests": []}, "'session' is not an object"),
         ({"version": 1, "tests": [{"outcome": "passed"}]}, "tests[0] has no 'nodeid' and 'outcome'"),

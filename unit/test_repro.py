@@ -392,7 +392,7 @@ def test_load_report_accepts_what_the_plugin_writes(tmp_path: Path) -> None:
     path = write_report(tmp_path / "r.json", [oom_entry()])
     assert load_report(path)["tests"][0]["failure"]["kind"] == "oom"
     (tmp_path / "list.json").write_text("[]")
-    with pytest.raises(ReportError, match="is not a version-4 kit report"):
+    with pytest.raises(ReportError, match="is not a version-5 kit report"):
         load_report(tmp_path / "list.json")
 
 
@@ -959,7 +959,7 @@ def test_a_field_of_the_wrong_type_is_a_one_line_error_naming_it(
 
 MALFORMED_FILES = {
     "truncated": (b'{"version": 1, "session": {}, "tests": [{"nodeid": "a', "is not JSON"),
-    "not an object": (b"[1, 2, 3]", "is not a version-4 kit report"),
+    "not an object": (b"[1, 2, 3]", "is not a version-5 kit report"),
     "NaN": (b'{"version": 1, "session": {"duration_s": NaN}, "tests": []}', "NaN is not a JSON number"),
     "deep nesting": (
         b'{"version": 1, "tests": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
