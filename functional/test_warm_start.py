@@ -106,6 +106,32 @@ def test_a_launch_setting_a_variable_that_an_import_may_read_starts_cold(own_par
     assert _last_run().start_mode == "warm", _last_run().start_reason
 
 
+def setting_seen_at_import(rank: int, world_size: int) -> str | None:
+    """What the preloaded module `kit_reads_at_import` read from the environment when imported."""
+    import kit_reads_at_import  # type: ignore[import-not-found]  # written by the test below
+
+    return kit_reads_at_import.SETTING
+
+
+def test_a_variable_a_preloaded_module_reads_at_import_starts_cold_and_the_rank_reads_it_afresh(
+    own_parents: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "kit_reads_at_import.py").write_text(
+        "import os\nSETTING = os.environ.get('LIBRARY_SETTING_READ_AT_IMPORT')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KIT_WARM_PRELOAD", "kit_reads_at_import")
+    _warm_parent_ready()
+    # Forked from the parent, the rank would see the parent's import (None): it must start cold.
+    (seen,) = run_ranks(setting_seen_at_import, 1, timeout=120, env={"LIBRARY_SETTING_READ_AT_IMPORT": "7"})
+    run = _last_run()
+    assert (run.start_mode, seen) == ("cold", "7"), run.start_reason
+    assert "LIBRARY_SETTING_READ_AT_IMPORT" in (run.start_reason or "")
+    # Control: without it the launch is warm and the rank has the parent's import of the module.
+    (seen,) = run_ranks(setting_seen_at_import, 1, timeout=120)
+    assert (_last_run().start_mode, seen) == ("warm", None), _last_run().start_reason
+
+
 @pytest.mark.fresh_interpreter
 def test_the_fresh_interpreter_marker_starts_cold() -> None:
     ((_pid, ppid, _i, _t),) = run_ranks(where_am_i, 1, timeout=120)
@@ -308,6 +334,13 @@ def test_pytest_killed_with_9_takes_the_warm_parent_and_its_ranks_within_a_secon
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed = time.monotonic()
+        # The bound, 1 s: no user-space code runs between pytest's death and theirs. The kernel
+        # sends PR_SET_PDEATHSIG's SIGKILL to the warm parent as pytest exits, and to each rank as
+        # the parent exits; SIGKILL cannot be caught or deferred. What remains is the kernel freeing
+        # each address space (a few hundred MiB, mostly shared pages: milliseconds) and waiting
+        # for a core on a loaded 2-core runner (a few scheduler periods: tens of ms). 1 s is over
+        # ten times that, so a process still alive then did not die with its parent. A zombie
+        # counts as gone (`_alive`): its reaping is init's, not ours.
         while any(_alive(pid) for pid in {*ranks, parent}) and time.monotonic() - killed < 1.0:
             time.sleep(0.02)
         left = [pid for pid in {*ranks, parent} if _alive(pid)]
