@@ -320,8 +320,9 @@ class WarmParent:
         if self.proc is None:
             return
         for ledger, ticket in self.charges:
-            with contextlib.suppress(Exception):  # a ledger gone with its session: nothing to release
-                ledger.release(ticket)
+            if ledger.path.exists():  # else gone with its session: nothing to release
+                with contextlib.suppress(Exception):
+                    ledger.release(ticket)
         self.charges = []
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
