@@ -521,7 +521,7 @@ def parent_for(
                     _parents[key] = parent
             rebuilding = _starting.get(key)
             if parent is not None and parent.unsafe and parent.proc is not None:
-                if rebuilding is None and not wait:
+                if rebuilding is None and not wait and key not in _failed:  # a failed rebuild: once
                     _drop(parent.unsafe)
                     _starting[key] = threading.Event()
                     _start_in_background(key, _without_dropped(preload), parent.env, _starting[key])
