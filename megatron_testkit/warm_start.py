@@ -552,9 +552,10 @@ def _drop(unsafe: Mapping[str, str]) -> None:
     for name, why in unsafe.items():
         if name not in _dropped:
             _dropped[name] = why
+            harm = "a fork copies no thread but its locks" if "thread" in why else "no fork may inherit CUDA"
             _dropped_lines.append(
-                f"{name} was dropped from the warm preload set: it {why} (a fork would copy the "
-                "thread's locks, or the CUDA state); the warm parent was rebuilt without it"
+                f"{name} was dropped from the warm preload set: it {why} ({harm}); "
+                "the warm parent was rebuilt without it"
             )
 
 
