@@ -103,6 +103,10 @@ def _session(root: Path, admission: bool) -> tuple[dict[str, Any], int]:
         "STAMPS": str(stamps),
         "KIT_ADMISSION_DIR": None,  # its own ledger, with its own runner limit, not this session's
         "KIT_ADMISSION": "1" if admission else "0",
+        # Cold launches: the arithmetic above (exactly two 600 MiB budgets fit) leaves no room for
+        # a warm parent, whose resident memory (Python and torch, not a fixed figure) the ledger
+        # counts too once it is up (docs/testkit.md, warm starts).
+        "KIT_WARM_START": "0",
     }
     with RankMemory(root) as sampled:
         result = run_inner_session(root, "test_hold.py", SESSION, "-n", "4", "-p", "no:randomly", env=env)

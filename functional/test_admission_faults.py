@@ -91,6 +91,10 @@ def test_a_launcher_killed_and_never_reaped_frees_its_share_and_its_ranks_helper
     helper_file = tmp_path / "helper.pid"
     env = inner_env({**os.environ, admission.LEDGER_ENV: str(ledger.folder), "KIT_ADMISSION": "1"})
     env.pop("KIT_HOST_MEMORY", None)
+    # The launcher's one launch starts cold anyway (a process' first launch never waits for its
+    # warm parent); without one, the ledger read entry by entry below holds that launch alone, not
+    # also the warm parent it would start and charge meanwhile.
+    env["KIT_WARM_START"] = "0"
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(tmp_path), str(helper_file)], env=env, cwd=tmp_path
     )
@@ -147,6 +151,9 @@ def test_a_ledger_set_aside_mid_launch_counts_the_running_ranks_until_they_end(
     from megatron_testkit.ranks import run_ranks
 
     limit = 2000 * MiB
+    # Cold: a warm parent started by this launch would be charged into this ledger at a moment of
+    # its own, beside the one launch the ledger must hold (read entry by entry below).
+    monkeypatch.setenv("KIT_WARM_START", "0")
     monkeypatch.setenv("KIT_HOST_MEMORY", str(limit))  # the rebuilt ledger's capacity, and the ranks' limit
     ledger = Ledger.create(tmp_path / "ledger", admission.capacity())
     monkeypatch.setenv(admission.LEDGER_ENV, str(ledger.folder))

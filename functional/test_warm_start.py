@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from fixtures.inner_session import run_inner_session
-from megatron_testkit import attribution, warm_start
+from megatron_testkit import admission, attribution, machine_ledger, warm_start
 from megatron_testkit.ranks import run_ranks
 
 pytestmark = pytest.mark.L0
@@ -31,6 +31,11 @@ IMPORTED_IN = os.getpid()
 def where_am_i(rank: int, world_size: int) -> tuple[int, int, int, bool]:
     """(pid, parent pid, pid that imported this module, torch preloaded before the module)."""
     return os.getpid(), os.getppid(), IMPORTED_IN, "torch" in sys.modules
+
+
+def where_am_i_and_the_module(rank: int, world_size: int, module: str) -> tuple[int, int, int, bool, bool]:
+    """`where_am_i`, and whether ``module`` was imported in this rank (by the parent it forked from)."""
+    return (*where_am_i(rank, world_size), module in sys.modules)
 
 
 def _warm_parent_ready() -> None:
@@ -51,15 +56,21 @@ def own_parents():
     Under xdist too: the controller's broker is set aside, since the controller cannot import the
     modules a test writes into its own tmp_path (it answered with a parent that lacked them)."""
     before, failed = dict(warm_start._parents), dict(warm_start._failed)
+    dropped, lines = dict(warm_start._dropped), len(warm_start._dropped_lines)
     broker = warm_start._broker_path
     warm_start._parents.clear()
     warm_start.set_broker(None)
     yield
     warm_start.set_broker(broker)
+    for starting in list(warm_start._starting.values()):  # a rebuild still importing: ended too
+        starting.wait(warm_start._START_TIMEOUT_S)
     warm_start.stop_all()
     warm_start._failed.clear()
     warm_start._parents.update(before)
     warm_start._failed.update(failed)
+    warm_start._dropped.clear()
+    warm_start._dropped.update(dropped)
+    del warm_start._dropped_lines[lines:]  # the outer session's header does not report them
 
 
 def test_a_warm_launch_forks_its_ranks_from_the_parent_and_imports_the_test_module_after_the_fork(
@@ -93,6 +104,32 @@ def test_a_launch_setting_a_variable_that_an_import_may_read_starts_cold(own_par
     _warm_parent_ready()
     run_ranks(where_am_i, 2, timeout=120, env={"KIT_SOMETHING_OF_OURS": "1"})
     assert _last_run().start_mode == "warm", _last_run().start_reason
+
+
+def setting_seen_at_import(rank: int, world_size: int) -> str | None:
+    """What the preloaded module `kit_reads_at_import` read from the environment when imported."""
+    import kit_reads_at_import  # type: ignore[import-not-found]  # written by the test below
+
+    return kit_reads_at_import.SETTING
+
+
+def test_a_variable_a_preloaded_module_reads_at_import_starts_cold_and_the_rank_reads_it_afresh(
+    own_parents: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "kit_reads_at_import.py").write_text(
+        "import os\nSETTING = os.environ.get('LIBRARY_SETTING_READ_AT_IMPORT')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KIT_WARM_PRELOAD", "kit_reads_at_import")
+    _warm_parent_ready()
+    # Forked from the parent, the rank would see the parent's import (None): it must start cold.
+    (seen,) = run_ranks(setting_seen_at_import, 1, timeout=120, env={"LIBRARY_SETTING_READ_AT_IMPORT": "7"})
+    run = _last_run()
+    assert (run.start_mode, seen) == ("cold", "7"), run.start_reason
+    assert "LIBRARY_SETTING_READ_AT_IMPORT" in (run.start_reason or "")
+    # Control: without it the launch is warm and the rank has the parent's import of the module.
+    (seen,) = run_ranks(setting_seen_at_import, 1, timeout=120)
+    assert (_last_run().start_mode, seen) == ("warm", None), _last_run().start_reason
 
 
 @pytest.mark.fresh_interpreter
@@ -133,11 +170,64 @@ def test_a_thread_started_in_the_parent_falls_back_to_cold_with_the_reason(
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("KIT_WARM_PRELOAD", "kit_starts_a_thread")
     _warm_parent_ready()
+    mark = warm_start.dropped_mark()
+    first = warm_start.parent_for(warm_start.preload_set())
     results = run_ranks(where_am_i, 2, timeout=120)
     run = _last_run()
     assert run.start_mode == "cold"
     assert "runs 2 OS threads" in (run.start_reason or ""), run.start_reason
     assert all(ppid == os.getpid() for _pid, ppid, _i, _t in results)
+    # The module that started the thread is named, dropped from the set, and the parent rebuilt
+    # without it: once the new parent is up, launches are warm again and never see the module.
+    assert "kit_starts_a_thread started 1 OS thread at import" in (run.start_reason or "")
+    _warm_parent_ready()
+    for _ in range(2):
+        results = run_ranks(where_am_i_and_the_module, 2, args=("kit_starts_a_thread",), timeout=120)
+        assert _last_run().start_mode == "warm", _last_run().start_reason
+        assert {r[4] for r in results} == {False}  # the rebuilt parent never imported it
+        parents = {r[1] for r in results}
+        assert len(parents) == 1 and parents <= warm_start.parent_pids() and first.pid not in parents
+    assert not _alive(first.pid)  # the unsafe parent ended once its replacement was up
+    (line,) = warm_start.dropped_since(mark)  # said once, for the session's header
+    assert line.startswith(
+        "kit_starts_a_thread was dropped from the warm preload set: it started 1 OS thread"
+    )
+
+
+def test_the_warm_parents_memory_is_in_the_admission_ledgers_once_and_leaves_them_with_it(
+    own_parents: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Ledgers of this test's own, large enough that no launch waits: the session's and the machine's.
+    room = admission.Capacity(64 << 30, 2, "this test")
+    session = admission.Ledger.create(tmp_path / "session", room)
+    machine = machine_ledger.MachineLedger.create(tmp_path / "machine", room)
+    monkeypatch.setenv(admission.LEDGER_ENV, str(session.folder))
+    monkeypatch.setenv(machine_ledger.MACHINE_LEDGER_ENV, str(machine.folder))
+    parent = warm_start.parent_for(warm_start.preload_set())
+    rss = psutil.Process(parent.pid).memory_info().rss
+    for ledger in (session, machine):
+        (entry,) = ledger.snapshot()["entries"]  # the parent's, and nothing else yet
+        assert entry["pid"] == parent.pid
+        # Its resident memory when it was charged. The parent has been idle in its serve loop
+        # since: its RSS moves by the few pages that loop touches, far below 10% of a process that
+        # imported torch (an idle rank is about 170-230 MiB).
+        assert 0.9 * rss <= entry["bytes"] <= 1.1 * rss, (entry["bytes"], rss)
+    # Launches fork from it: it stays one entry (not one per launch), theirs come and go.
+    for _ in range(2):
+        results = run_ranks(where_am_i, 2, timeout=120)
+        assert {ppid for _pid, ppid, _i, _t in results} == {parent.pid}
+        for ledger in (session, machine):
+            assert [e["pid"] for e in ledger.snapshot()["entries"]] == [parent.pid]
+    # It leaves both ledgers when it stops...
+    warm_start.stop_all()
+    assert session.snapshot()["entries"] == machine.snapshot()["entries"] == []
+    # ... and when it dies without a word: its entry names the process, which is gone.
+    again = warm_start.parent_for(warm_start.preload_set())
+    assert [e["pid"] for e in session.snapshot()["entries"]] == [again.pid]
+    os.kill(again.pid, signal.SIGKILL)
+    assert again.proc is not None
+    again.proc.wait(timeout=30)
+    assert session.snapshot()["entries"] == machine.snapshot()["entries"] == []
 
 
 # A rank that starts a sleeper without its session and environment (no launch marker), and exits
@@ -244,6 +334,13 @@ def test_pytest_killed_with_9_takes_the_warm_parent_and_its_ranks_within_a_secon
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed = time.monotonic()
+        # The bound, 1 s: no user-space code runs between pytest's death and theirs. The kernel
+        # sends PR_SET_PDEATHSIG's SIGKILL to the warm parent as pytest exits, and to each rank as
+        # the parent exits; SIGKILL cannot be caught or deferred. What remains is the kernel freeing
+        # each address space (a few hundred MiB, mostly shared pages: milliseconds) and waiting
+        # for a core on a loaded 2-core runner (a few scheduler periods: tens of ms). 1 s is over
+        # ten times that, so a process still alive then did not die with its parent. A zombie
+        # counts as gone (`_alive`): its reaping is init's, not ours.
         while any(_alive(pid) for pid in {*ranks, parent}) and time.monotonic() - killed < 1.0:
             time.sleep(0.02)
         left = [pid for pid in {*ranks, parent} if _alive(pid)]
@@ -260,12 +357,17 @@ TWO_WORKERS = textwrap.dedent(
 
     import pytest
 
-    from megatron_testkit import warm_start
+    from megatron_testkit import admission, warm_start
     from megatron_testkit.ranks import run_ranks
 
 
     def parent_of_rank(rank, world_size):
         return os.getppid()
+
+
+    def charged(pid):
+        # How many entries of the session's admission ledger name this process.
+        return sum(e["pid"] == pid for e in admission.session_ledger().snapshot()["entries"])
 
 
     @pytest.mark.parametrize("n", range(4))
@@ -274,6 +376,8 @@ TWO_WORKERS = textwrap.dedent(
         (ppid,) = run_ranks(parent_of_rank, 1, timeout=120)
         with open(f"ppid.{os.environ['PYTEST_XDIST_WORKER']}.{n}", "w") as f:
             f.write(f"{ppid} {os.getppid()} {os.getpid()}")
+        with open(f"charged.{os.environ['PYTEST_XDIST_WORKER']}.{n}", "w") as f:
+            f.write(str(charged(ppid)))
     """
 )
 
@@ -289,3 +393,6 @@ def test_two_xdist_workers_fork_from_the_controllers_one_warm_parent(tmp_path: P
     assert len(parents) == 1 and len(controllers) == 1, seen  # one warm parent for the session
     launches = [launch for row in result["rows"].values() for launch in row["launches"]]
     assert [launch["start_mode"] for launch in launches] == ["warm"] * 4, launches
+    # Its memory is in the session's admission ledger once, whichever worker looks, after any launch.
+    charged = [int(p.read_text()) for p in tmp_path.glob("charged.gw*")]
+    assert charged == [1] * 4, charged

@@ -10,6 +10,13 @@ what is free, and otherwise waits, first come first served, the wait recorded as
 - A launch's share: its host budget per rank (the CUDA host allowance included,
   `devices.rank_host_budget`), or `DEFAULT_RANK_BYTES` (``KIT_DEFAULT_RANK_MEMORY``) for a test
   that declares none. A share larger than the whole runner can never fit: `NeverFits` at once.
+- A warm parent (`megatron_testkit.warm_start`) is counted once, at its resident memory after its
+  imports, by the process that started it (`Ledger.charge`): not per worker that forks from it nor
+  per launch. It runs already, so it is recorded at once; launches after it wait for room instead.
+  Its entry names the parent, so it leaves the ledger when the parent stops or dies. Such a
+  standing charge never makes a launch wait for ever: a launch that fits the runner alone but not
+  beside the warm parents is admitted once no other launch holds memory (it then runs alone,
+  beside them).
 - Over-commit is impossible by construction: every read-check-write of the ledger runs under an
   exclusive ``flock`` of its lock file (`safe_write.Folder.lock`; read by the bounded reader,
   written atomically by the one writer), and the entries of dead processes are reclaimed by
@@ -95,6 +102,7 @@ _MAX_LEDGER_BYTES = 1 << 20  # a ledger of live launches and waiters; anything l
 _POLL_S = 0.1
 _RETRY_S = 1.0  # how often a release that could not be written is tried again
 LEDGER_VERSION = 2  # 2: processes named by start ticks after boot, within the ledger's boot id
+STANDING = "standing"  # an entry's flag: memory held for the session's length (a warm parent), not a launch's
 _ID = re.compile(r"[0-9A-Za-z_.-]{1,64}")  # ticket ids: uuid4 hex; never a ':' (the marker's separator)
 
 
@@ -519,8 +527,15 @@ class Ledger:
         if not any(w["id"] == me["id"] for w in ledger["waiting"]):
             ledger["waiting"].append(me)
         total = sum(e["bytes"] for e in ledger["entries"])
+        launches = sum(e["bytes"] for e in ledger["entries"] if e.get(STANDING) is not True)
         first = ledger["waiting"][0]["id"] == me["id"]
-        if not first or total + me["bytes"] > ledger["limit_bytes"]:
+        # A launch that fits the runner alone runs when no other launch holds memory, even where
+        # standing charges (warm parents, which never leave while the session runs) leave too
+        # little room beside them: it would otherwise wait for ever.
+        fits = total + me["bytes"] <= ledger["limit_bytes"] or (
+            launches == 0 and me["bytes"] <= ledger["limit_bytes"]
+        )
+        if not first or not fits:
             return None
         used_cores = sum(e.get("cores", 0) for e in ledger["entries"])
         threads = max(1, (ledger["cores"] - used_cores) // max(1, world_size))
@@ -532,6 +547,23 @@ class Ledger:
         for session in ledger["sessions"].values():
             session["peak_bytes"] = max(int(session.get("peak_bytes") or 0), total)
         return Ticket(me["id"], me["bytes"], cores, threads, round(waited, 3), total)
+
+    def charge(self, pid: int, size: int, label: str) -> Ticket:
+        """Count ``size`` bytes that the running process ``pid`` holds (a warm parent), at once: it
+        runs already, so it is never queued, and the launches after it wait for room instead. Its
+        entry names that process, so it leaves the ledger at `release` or when the process ends."""
+        pid, start = _identity(pid)
+        me = {"id": uuid.uuid4().hex, "pid": pid, "start": start, "bytes": size, "cores": 0, "label": label}
+        me[STANDING] = True
+        with self._locked():
+            ledger, _changed = self._read()
+            ledger["entries"].append({**me, "since": time.time()})
+            total = sum(e["bytes"] for e in ledger["entries"])
+            ledger["peak_bytes"] = max(int(ledger.get("peak_bytes") or 0), total)
+            for session in ledger["sessions"].values():
+                session["peak_bytes"] = max(int(session.get("peak_bytes") or 0), total)
+            self._save(ledger)
+        return Ticket(me["id"], size, 0, 0, 0.0, total)
 
     def release(self, ticket: Ticket) -> None:
         """The launch ended: its share is free again. A release that cannot be written (a full disk)

@@ -174,6 +174,9 @@ class _KitSession:
         }
         self.machine: machine_ledger.MachineLedger | None = None
         self.warm_broker: Any = None  # made for the first xdist worker (`megatron_testkit.warm_broker`)
+        from megatron_testkit import warm_start
+
+        self.warm_dropped_mark = warm_start.dropped_mark()  # preloads dropped before it are not its own
         try:
             self.ledger, self.own_ledger_dir, self.saved_ledger_env = self.open_ledger()
             if self.ledger is not None:
@@ -379,6 +382,7 @@ class _KitSession:
             exit_status=exit_status,
             cuda_context=_cuda_context_note(),
             cpu_substitutions=self.collector.cpu_substitutions(_taken_substitutions()),
+            warm_preload_dropped=_warm_dropped(self.warm_dropped_mark),
             **repro_settings(self.config),
             **self.admission_figures(),
         ).to_json()
@@ -412,6 +416,13 @@ def _cuda_context_note() -> str | None:
     """The header's note on a CUDA context in this process that no test's own code created."""
     cuda_context.observe(cuda_context.OUTSIDE)  # one made after the last test (a session hook)
     return cuda_context.header_note(cuda_context.origin())
+
+
+def _warm_dropped(mark: int) -> list[str] | None:
+    """The modules this session dropped from the warm preload set, one line each; None when none."""
+    from megatron_testkit import warm_start
+
+    return warm_start.dropped_since(mark) or None
 
 
 def _rss() -> int:

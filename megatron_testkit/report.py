@@ -436,6 +436,8 @@ def _footer(report: dict[str, Any], written: bool = True) -> list[str]:
     admitted = admission_line(report)
     if admitted:
         lines.append(admitted)
+    # Said once per session (the launch that found it says so in its start_reason too).
+    lines += [f"warm start: {line}" for line in report["session"].get("warm_preload_dropped") or []]
     leaked = sum(row["leaked_processes"] for row in report["tests"])
     if leaked:
         killed = "was" if leaked == 1 else "were"

@@ -39,7 +39,9 @@ from megatron_testkit.metrics import TestMetrics
 # code did not); a launch's ``start_mode`` (warm, cold, mixed), ``start_reason``
 # (megatron_testkit.warm_start) and, in the file's launches, ``setup_s``.
 # 5: the session's ``cpu_substitutions`` (what the CPU layer, megatron_testkit.megatron_cpu,
-# substituted in the pytest process and its ranks: each call once, with how often).
+# substituted in the pytest process and its ranks: each call once, with how often) and
+# ``warm_preload_dropped`` (modules dropped from the warm preload set because their import made
+# forking unsafe).
 REPORT_VERSION = 5
 # A version-1 report reads as one without metrics; versions 1 and 2 read with ``launches`` []
 # (they kept only a count, no launch's verdict), without the version-3 session fields and without
@@ -481,6 +483,9 @@ class Session:
     cuda_context: str | None = None
     # Version 5: what the CPU layer substituted (most frequent first); None when it substituted nothing.
     cpu_substitutions: list[CpuSubstitution] | None = None
+    # Version 5: one line per module dropped from the warm preload set (its import started a thread
+    # or initialised CUDA; the warm parent was rebuilt without it); None when none was.
+    warm_preload_dropped: list[str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The header as plain JSON types, in the report's field names."""
@@ -508,6 +513,10 @@ class Session:
         values["duration_s"] = float(values["duration_s"] or 0.0)
         allowed = values["allowed_skips"]
         values["allowed_skips"] = [str(a) for a in allowed] if isinstance(allowed, list) else None
+        dropped = values["warm_preload_dropped"]
+        values["warm_preload_dropped"] = (
+            [str(a) for a in dropped] if isinstance(dropped, list) and dropped else None
+        )
         merged = values["sessions"]
         values["sessions"] = [r for r in merged if isinstance(r, dict)] if isinstance(merged, list) else None
         settings = values["settings"]

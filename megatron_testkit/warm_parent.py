@@ -1,7 +1,8 @@
 """The warm parent: a process that imported torch (and a preload set) once and forks ranks on request.
 
 Started by `megatron_testkit.warm_start` as a child of the session's process. It imports its
-preload set, says which modules failed, then serves one Unix-socket connection per rank: a request
+preload set, says which modules failed and which made forking unsafe (its owner then rebuilds it
+without them), then serves one Unix-socket connection per rank: a request
 carries the rank's environment, working directory and log descriptor (``SCM_RIGHTS``); the parent
 checks that forking is safe (one OS thread, CUDA not initialised, the driver included), forks, and
 relays the rank's pid, then its exit status. The forked rank starts a new session, dies with the
@@ -96,26 +97,44 @@ def fork_refusal() -> str | None:
     return cuda_state()
 
 
-def preload(modules: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Import each module; the imported ones and, per failed one, why (never skipped silently).
+def preload(modules: list[str]) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """Import each module; the imported ones, per failed one why (never skipped silently), and per
+    module whose import made forking unsafe (started an OS thread, initialised CUDA) what it did.
 
     torch's own storage loader is kept as soon as torch is in, before any other preload (megatron-core
     replaces it), so that every forked rank pickles tensor results with it.
     """
     done: list[str] = []
     failed: dict[str, str] = {}
+    unsafe: dict[str, str] = {}
     for name in modules:
+        threads, cuda = thread_count(), cuda_state()
         try:
             importlib.import_module(name)
         except BaseException as exc:  # a module's import runs arbitrary code: SystemExit included
             failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
             continue
         done.append(name)
+        why = import_effect(threads, cuda)
+        if why is not None:
+            unsafe[name] = why
         if name == "torch" or (name.startswith("torch.") and "torch" in sys.modules):
             from megatron_testkit import rank_result
 
             rank_result.keep_torch_storage_loader()
-    return done, failed
+    return done, failed, unsafe
+
+
+def import_effect(threads_before: int, cuda_before: str | None) -> str | None:
+    """What an import just did that makes forking unsafe, compared with the state before it: the
+    OS threads it started, or CUDA it initialised; None when it did neither."""
+    started = thread_count() - threads_before
+    if started > 0:
+        return f"started {started} OS thread{'s' if started > 1 else ''} at import"
+    cuda = cuda_state()
+    if cuda is not None and cuda_before is None:
+        return f"initialised CUDA at import ({cuda})"
+    return None
 
 
 class _Connection:
@@ -383,7 +402,8 @@ def run_rank(request: dict[str, Any]) -> int:
 
 def serve(config_json: str) -> None:
     """Entry point (``python -c``): ``config_json`` holds the owner's pid, the socket path, the
-    preload list and the owner's ``sys.path``. Prints one JSON line (ready, preloaded, failed)."""
+    preload list and the owner's ``sys.path``. Prints one JSON line: pid, preloaded, failed,
+    refusal, and the modules that made forking unsafe (the owner rebuilds the parent without them)."""
     config = json.loads(config_json)
     owner = int(config["owner"])
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -397,16 +417,22 @@ def serve(config_json: str) -> None:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
 
-    done, failed = preload(list(config["preload"]))
+    done, failed, unsafe = preload(list(config["preload"]))
     gc.collect()
     gc.freeze()  # the collector then leaves the preloaded objects' pages shared with the ranks
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(config["socket"])
     listener.listen(64)
     refusal = fork_refusal()
-    sys.stdout.write(
-        json.dumps({"pid": os.getpid(), "preloaded": done, "failed": failed, "refusal": refusal}) + "\n"
-    )
+    hello = {
+        "pid": os.getpid(),
+        "preloaded": done,
+        "failed": failed,
+        "refusal": refusal,
+        # Only while forking is unsafe: a thread that a module started and that ended by now is harmless.
+        "unsafe": unsafe if refusal is not None else {},
+    }
+    sys.stdout.write(json.dumps(hello) + "\n")
     sys.stdout.flush()
     try:
         WarmParent(listener, sys.stdin.fileno()).serve()

@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 WARM_ENV = "KIT_WARM_START"  # 0: every launch starts cold
 PRELOAD_ENV = "KIT_WARM_PRELOAD"  # modules the warm parent imports besides torch, comma-separated
@@ -258,6 +259,11 @@ class WarmParent:
     failed: dict[str, str] = field(default_factory=dict)
     refusal: str | None = None
     remote_pid: int | None = None
+    # Modules whose import made forking unsafe (a thread, CUDA), while it is: the owner rebuilds
+    # the parent without them at the first launch this parent refuses.
+    unsafe: dict[str, str] = field(default_factory=dict)
+    # Its memory in the admission ledgers (the session's, the machine's): released when it stops.
+    charges: list[tuple[Any, Any]] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -278,6 +284,7 @@ class WarmParent:
             "preloaded": self.preloaded,
             "failed": self.failed,
             "refusal": self.refusal,
+            "unsafe": self.unsafe,
         }
 
     def note(self) -> str | None:
@@ -308,9 +315,15 @@ class WarmParent:
         raise WarmRefused(str(reply.get("cold") or reply.get("error") or "the warm parent did not answer"))
 
     def stop(self) -> None:
-        """Close the lifeline: the parent kills its ranks and exits (only its owner can)."""
+        """Close the lifeline: the parent kills its ranks and exits (only its owner can); its memory
+        leaves the admission ledgers."""
         if self.proc is None:
             return
+        for ledger, ticket in self.charges:
+            if ledger.path.exists():  # else gone with its session: nothing to release
+                with contextlib.suppress(Exception):
+                    ledger.release(ticket)
+        self.charges = []
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -388,8 +401,33 @@ def _start(preload: tuple[str, ...], environ: Mapping[str, str] | None = None) -
         raise WarmRefused(f"the warm parent did not start: {tail.strip().splitlines()[-1:] or 'no output'}")
     parent.preloaded = list(hello.get("preloaded") or [])
     parent.failed = {str(k): str(v) for k, v in (hello.get("failed") or {}).items()}
+    parent.unsafe = {str(k): str(v) for k, v in (hello.get("unsafe") or {}).items()}
     parent.refusal = hello.get("refusal")
+    if parent.refusal and parent.unsafe:
+        blamed = "; ".join(f"{k} {v}" for k, v in parent.unsafe.items())
+        parent.refusal = f"{parent.refusal}: {blamed}; the warm parent is rebuilt without it"
+    parent.charges = _charge_ledgers(proc.pid, preload)
     return parent
+
+
+def _charge_ledgers(pid: int, preload: tuple[str, ...]) -> list[tuple[Any, Any]]:
+    """Count the warm parent's resident memory, once, in the admission ledgers of this process'
+    session (and the machine's, for a top-level session): it runs already, so it is recorded at
+    once, never queued; launches after it wait for room instead. Its entries name the parent, so
+    they leave the ledgers when it stops or dies."""
+    from megatron_testkit import admission, machine_ledger, procfs
+
+    size = procfs.rss_bytes(pid)
+    if not size:
+        return []
+    label = f"the warm parent (pid {pid}) of {', '.join(preload)}"
+    charges: list[tuple[Any, Any]] = []
+    with contextlib.suppress(ValueError):  # a malformed KIT_ADMISSION: the session refused it already
+        for ledger in (admission.session_ledger(), machine_ledger.launch_ledger()):
+            if ledger is not None:
+                with contextlib.suppress(OSError, ValueError):  # unwritable: the launches go on
+                    charges.append((ledger, ledger.charge(pid, size, label)))
+    return charges
 
 
 class WarmStarting(Exception):
@@ -441,6 +479,7 @@ def ask_broker(path: str, preload: tuple[str, ...]) -> WarmParent | None:
             failed={str(k): str(v) for k, v in reply["failed"].items()},
             refusal=reply.get("refusal"),
             remote_pid=int(reply["pid"]),
+            unsafe={str(k): str(v) for k, v in (reply.get("unsafe") or {}).items()},
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
@@ -452,8 +491,13 @@ def parent_for(
     """The warm parent for ``preload``: the xdist controller's when this is a worker (asked through
     its broker, `megatron_testkit.warm_broker`), else this process' own (``environ``: the
     environment it starts with, default this process'). One that is missing or died is started in
-    the background; ``wait=False`` then raises `WarmStarting` at once (a launch does not wait for
-    torch's import: it starts cold), ``wait=True`` waits for it. `WarmRefused` when it cannot start."""
+    the background; ``wait=False`` (a launch's request) then raises `WarmStarting` at once (a launch
+    does not wait for torch's import: it starts cold), ``wait=True`` waits for it. `WarmRefused`
+    when it cannot start.
+
+    A parent that a preloaded module made unsafe to fork from (`WarmParent.unsafe`) is rebuilt
+    without that module when a launch first asks for it; until the new one is up, launches get
+    the old one, whose refusal says why they start cold, and ``wait=True`` waits for the new one."""
     key = (sys.executable, preload)
     deadline = time.monotonic() + _START_TIMEOUT_S + 30
     while True:
@@ -475,11 +519,19 @@ def parent_for(
                     controller_starting = True
                 if parent is not None:
                     _parents[key] = parent
-            if parent is None and not controller_starting:
-                done = _starting.get(key)
+            rebuilding = _starting.get(key)
+            if parent is not None and parent.unsafe and parent.proc is not None:
+                if rebuilding is None and not wait and key not in _failed:  # a failed rebuild: once
+                    _drop(parent.unsafe)
+                    _starting[key] = threading.Event()
+                    _start_in_background(key, _without_dropped(preload), parent.env, _starting[key])
+                elif rebuilding is not None and wait:
+                    parent, done = None, rebuilding
+            elif parent is None and not controller_starting:
+                done = rebuilding
                 if done is None:
                     done = _starting[key] = threading.Event()
-                    _start_in_background(key, preload, environ, done)
+                    _start_in_background(key, _without_dropped(preload), environ, done)
         if parent is not None:
             _report_failed_preloads(parent)
             return parent
@@ -489,6 +541,36 @@ def parent_for(
             done.wait(max(0.0, deadline - time.monotonic()))
         else:
             time.sleep(0.2)
+
+
+_dropped: dict[str, str] = {}  # module -> why it was dropped from every preload set of this process
+_dropped_lines: list[str] = []  # the same, once each, in order (the session header's slice of it)
+
+
+def _drop(unsafe: Mapping[str, str]) -> None:
+    """Drop these modules from this process' preload sets from now on (called with `_lock` held)."""
+    for name, why in unsafe.items():
+        if name not in _dropped:
+            _dropped[name] = why
+            harm = "a fork copies no thread but its locks" if "thread" in why else "no fork may inherit CUDA"
+            _dropped_lines.append(
+                f"{name} was dropped from the warm preload set: it {why} ({harm}); "
+                "the warm parent was rebuilt without it"
+            )
+
+
+def _without_dropped(preload: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(name for name in preload if name not in _dropped)
+
+
+def dropped_mark() -> int:
+    """Where this process' record of dropped preloads stands now (a session's start)."""
+    return len(_dropped_lines)
+
+
+def dropped_since(mark: int) -> list[str]:
+    """One line per module dropped from the preload set since ``mark`` (`dropped_mark`)."""
+    return list(_dropped_lines[mark:])
 
 
 _starting: dict[tuple[str, tuple[str, ...]], threading.Event] = {}
@@ -519,7 +601,11 @@ def _keep() -> None:
         try:
             parent = _start(preload, environ)
             with _lock:
+                old = _parents.get(key)
                 _parents[key] = parent
+            if old is not None and old is not parent:  # a rebuild: the unsafe parent ends now
+                old.stop()
+                _unexempt(old.pid)
         except BaseException as exc:  # whatever it was, the launches start cold and say why
             with _lock:
                 _failed[key] = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 import threading
@@ -50,6 +51,53 @@ def test_a_launch_that_does_not_fit_waits_for_a_release_and_its_wait_is_measured
     waiter.join(timeout=10)
     assert got and got[0].queued_s >= 0.4
     assert ledger.snapshot()["waiting"] == []
+
+
+def test_a_standing_charge_counts_at_once_and_leaves_with_its_process(tmp_path: Path) -> None:
+    # A warm parent's memory: recorded for the running process it names, never queued; launches
+    # fit beside it; it leaves when released, or when that process ends without a release.
+    ledger = ledger_of(tmp_path)
+    held = ledger.admit(700 * MiB, 1, "t::held")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        charge = ledger.charge(holder.pid, 400 * MiB, "a warm parent")  # 700 + 400 > 1000: not queued
+        assert charge.admitted_total == 1100 * MiB
+        assert [(e["pid"], e["bytes"]) for e in ledger.snapshot()["entries"]][1] == (holder.pid, 400 * MiB)
+        ledger.release(held)
+        ledger.admit(600 * MiB, 1, "t::beside")  # 400 + 600 <= 1000
+        got: list[admission.Ticket] = []
+        waiter = threading.Thread(target=lambda: got.append(ledger.admit(100 * MiB, 1, "t::w", poll_s=0.02)))
+        waiter.start()
+        time.sleep(0.5)
+        assert got == []  # 400 + 600 + 100 > 1000: the charge holds room like a launch
+        holder.kill()
+        holder.wait()
+        waiter.join(timeout=10)
+        assert got, "the charge of a process that ended still held its room"
+        assert holder.pid not in [e["pid"] for e in ledger.snapshot()["entries"]]
+        ledger.release(charge)  # gone already: a release is a no-op
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_launch_that_fits_the_runner_alone_never_waits_for_ever_beside_a_standing_charge(
+    tmp_path: Path,
+) -> None:
+    ledger = ledger_of(tmp_path)
+    ledger.charge(os.getpid(), 400 * MiB, "a warm parent")
+    # 400 + 800 > 1000, but no launch holds anything: it runs alone beside the charge.
+    alone = ledger.admit(800 * MiB, 1, "t::alone", poll_s=0.02)
+    assert alone.queued_s < 1.0
+    # A second launch waits for it: the exception is for a launch alone, never two at once.
+    got: list[admission.Ticket] = []
+    waiter = threading.Thread(target=lambda: got.append(ledger.admit(100 * MiB, 1, "t::w", poll_s=0.02)))
+    waiter.start()
+    time.sleep(0.5)
+    assert got == []
+    ledger.release(alone)
+    waiter.join(timeout=10)
+    assert got
 
 
 def test_a_launch_that_can_never_fit_fails_at_once_naming_the_numbers(tmp_path: Path) -> None:

@@ -151,9 +151,10 @@ def test_report_carries_metrics_and_reads_a_version_1_report() -> None:
     for when, kit in (("setup", {}), ("call", {"metrics": found.to_json()}), ("teardown", {})):
         collector.add(_phase("t.py::a", when, kit))
     report = build_report({}, collector.rows_json())
-    assert (
-        report["version"] == 5
-    )  # 2: metrics; 3: launches as records, admission; 4: cuda_context; 5: cpu_substitutions (the version this kit writes)
+    # 2: metrics; 3: launches as records, admission; 4: cuda_context; 5: cpu_substitutions,
+    # warm_preload_dropped
+    # (the version this kit writes)
+    assert report["version"] == 5
     assert report["tests"][0]["metrics"] == found.to_json()
     assert Report.from_json(json.loads(json.dumps(report))).tests[0].metrics == found
     old = Report.from_json({"version": 1, "session": {}, "tests": [{"nodeid": "a", "outcome": "passed"}]})
