@@ -62,4 +62,3 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:
         print(f"megatron-core {version}: every part of `megatron` is in {home}")
     return 1 if problems else 0
-

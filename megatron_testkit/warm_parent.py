@@ -260,9 +260,10 @@ class WarmParent:
         self.listener.close()
         for other in self.connections:
             other.sock.close()
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        null = os.open(os.devnull, os.O_RDONLY)  # fd 0 itself when the lifeline was fd 0
+        if null != 0:
+            os.dup2(null, 0)
+            os.close(null)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
