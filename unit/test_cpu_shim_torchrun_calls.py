@@ -96,8 +96,10 @@ def test_side_streams_are_cpu_stand_ins() -> None:
 
 
 def test_megatron_initialize_model_parallel_with_nccl_pipeline_groups_runs_on_gloo() -> None:
-    parallel_state = pytest.importorskip("megatron.core.parallel_state")
+    skips.require_megatron()
     import inspect
+
+    from megatron.core import parallel_state
 
     if (
         "pipeline_model_parallel_comm_backend"
