@@ -30,6 +30,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from accounting.json_input import JsonInputError, parse_json, read_regular_file
+
 __all__ = ["DEFAULT", "LibraryHelperWarning", "declared", "parse", "read_helpers", "set_declared", "track"]
 
 DEFAULT = ("module:megatron.core.dist_checkpointing",)
@@ -129,14 +131,14 @@ def read_helpers(run_dir: Path, world_size: int) -> dict[int, str]:
     """The library helpers the launch's ranks noted (pid -> what), read as untrusted lines."""
     out: dict[int, str] = {}
     for rank in range(world_size):
-        try:
-            with open(run_dir / f"rank{rank}.helpers", "rb") as f:
-                raw = f.read(_MAX_FILE_BYTES)
-        except OSError:
-            continue
-        for line in raw.decode(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                item = json.loads(line)
+        path = run_dir / f"rank{rank}.helpers"
+        try:  # the bounded reader: a FIFO or device is refused before a byte is read
+            raw = read_regular_file(path, _MAX_FILE_BYTES, "library helpers file")
+        except (OSError, JsonInputError):
+            continue  # none noted (or refused): its processes count as the test's, as without this file
+        for number, line in enumerate(raw.decode(errors="replace").splitlines(), 1):
+            with contextlib.suppress(JsonInputError):
+                item = parse_json(line, where=f"{path} line {number}")
                 if not isinstance(item, dict):
                     continue
                 pid, by = item.get("pid"), item.get("by")

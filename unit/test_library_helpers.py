@@ -97,3 +97,19 @@ def test_only_a_process_the_declared_librarys_code_starts_is_noted(tmp_path: Pat
     assert library_helpers.read_helpers(tmp_path, 1) == {
         result["theirs"]: "rank 0: fakelib.writer (ForkProcess lib-worker)"
     }
+
+
+def test_a_helpers_file_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    import threading
+
+    os.mkfifo(tmp_path / "rank0.helpers")  # no writer: a plain open() would wait for one for ever
+    (tmp_path / "rank1.helpers").write_text(
+        json.dumps({"pid": 4242, "by": "megatron.core (Process x)"}) + "\n"
+    )
+    found: list[dict[int, str]] = []
+    reader = threading.Thread(
+        target=lambda: found.append(library_helpers.read_helpers(tmp_path, 2)), daemon=True
+    )
+    reader.start()
+    reader.join(30)  # far above a read of two small files; only a blocked open() reaches it
+    assert found == [{4242: "rank 1: megatron.core (Process x)"}]
