@@ -138,7 +138,7 @@ COMMANDS: tuple[Command, ...] = (
         "merge-reports",
         "merge per-node kit reports of a torchrun job: OUT DIR...",
         None,
-        _own_parser("megatron_testkit.merge_nodes.main", PROG),
+        _own_parser("megatron_testkit.torchrun_merge.main", PROG),
     ),
     Command(
         "gpu-check",

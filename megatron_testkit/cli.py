@@ -144,7 +144,7 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     ),
     "merge-reports": (
         "merge the per-node kit reports of a torchrun job: OUT DIR...",
-        lambda argv: _lazy("megatron_testkit.merge_nodes.main")(argv, prog=PROG),
+        lambda argv: _lazy("megatron_testkit.torchrun_merge.main")(argv, prog=PROG),
     ),
     "summary": ("a CI job's summary of its kit report (Markdown), or its ::error annotations", _summary),
 }

@@ -542,14 +542,14 @@ def write_report(report: dict[str, Any], directory: str | os.PathLike) -> Report
 
     Under the folder's lock, the report already there (another session's: a job that runs pytest
     twice into one folder, two jobs on one runner) is read through the bounded reader and merged
-    (`megatron_testkit.report_merge`): every row of each session is kept. One that cannot be read
+    (`megatron_testkit.session_merge`): every row of each session is kept. One that cannot be read
     is set aside as ``kit-report.unreadable-<time>.json``, never overwritten unseen. Both files are
     written by the kit's writer (`megatron_testkit.safe_write`): atomic, never through a link;
     `WriteRefused` in one line otherwise (a full disk leaves the previous report whole).
     """
-    from megatron_testkit.report_merge import merge_sessions
     from megatron_testkit.safe_write import Folder
     from megatron_testkit.schema import ReportError, read_report
+    from megatron_testkit.session_merge import merge_sessions
 
     folder = Folder(directory, what="--kit-report folder")
     notes: list[str] = []

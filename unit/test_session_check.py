@@ -69,7 +69,7 @@ def test_the_summary_shows_admission_and_the_default_share() -> None:
 
 
 def test_each_session_of_a_shared_report_folder_is_its_own_processes() -> None:
-    # Two sessions wrote one --kit-report folder (megatron_testkit.report_merge): gw0 of the second
+    # Two sessions wrote one --kit-report folder (megatron_testkit.session_merge): gw0 of the second
     # is a new process, whose first rank test pays the imports again.
     first = [row("f.py::a", "gw0", 500, 540), row("f.py::b", "gw0", 540, 541)]
     second = [row("f.py::a", "gw0", 300, 380), row("f.py::b", "gw0", 380, 381)]

@@ -1,7 +1,7 @@
 """`merge-reports` on large jobs: 2 processes x 100,000 tests, and 64 processes x 5,000 tests.
 
 Each shape writes one torchrun job's per-process reports (``node<N>/rank<R>/kit-report.json``, the
-layout `megatron_testkit.merge_nodes` documents: lean passing rows of one rank, one failed test in
+layout `megatron_testkit.torchrun_merge` documents: lean passing rows of one rank, one failed test in
 a thousand with a failure on every process), then times the three steps of the command on them:
 reading the reports (`find_reports`, the bounded reader and the schema check), merging them
 (`merge`) and writing the result (`write`). The merge used to be quadratic in tests x process
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_testkit import merge_nodes
+from megatron_testkit import torchrun_merge
 
 pytestmark = [pytest.mark.L2, pytest.mark.benchmark]
 
@@ -69,11 +69,11 @@ def test_merge_reports(benchmark, tmp_path: Path, capsys, processes: int, tests:
 
     def one_round() -> dict:
         clocks = [(time.perf_counter(), time.process_time())]
-        sources = merge_nodes.find_reports([reports])
+        sources = torchrun_merge.find_reports([reports])
         clocks.append((time.perf_counter(), time.process_time()))
-        merged = merge_nodes.merge(sources)
+        merged = torchrun_merge.merge(sources)
         clocks.append((time.perf_counter(), time.process_time()))
-        merge_nodes.write(merged, tmp_path / "out")
+        torchrun_merge.write(merged, tmp_path / "out")
         clocks.append((time.perf_counter(), time.process_time()))
         for step, (before, after) in zip(("read", "merge", "write"), itertools.pairwise(clocks), strict=True):
             figures[f"{step}_s"] = after[0] - before[0]

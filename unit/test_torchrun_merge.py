@@ -1,4 +1,4 @@
-"""`megatron_testkit.merge_nodes` (`merge-reports`): per-rank torchrun reports merged into one, failures named by node and rank."""
+"""`megatron_testkit.torchrun_merge` (`merge-reports`): per-rank torchrun reports merged into one, failures named by node and rank."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ci.jobs import ROOT
-from megatron_testkit import merge_nodes as merge_reports
+from megatron_testkit import torchrun_merge
 
 pytestmark = pytest.mark.L0
 
@@ -69,7 +69,7 @@ def _job(base: Path, planted: int, ranks: range = range(4)) -> None:
 
 def test_the_planted_failure_is_the_root_cause_not_a_lower_rank_knock_on(tmp_path: Path) -> None:
     _job(tmp_path / "reports", planted=3)
-    report = merge_reports.merge(merge_reports.find_reports([tmp_path / "reports"]))
+    report = torchrun_merge.merge(torchrun_merge.find_reports([tmp_path / "reports"]))
     rows = {row["nodeid"]: row for row in report["tests"]}
     root = rows["t.py::test_bad"]["failure"]
     assert (root["node"], root["rank"], root["kind"]) == (1, 3, "oom")
@@ -89,7 +89,7 @@ def test_every_process_naming_the_same_rank_gives_that_ranks_node_and_its_own_re
         words = "ValueError: planted" if rank == 3 else "ValueError: planted (as rank 3 reported it)"
         failure = {"rank": 3, "kind": "error", "first_line": f"rank 3 error: {words}"}
         _write(tmp_path / "reports", rank // 2, rank, [_row("t.py::test_bad", "failed", rank, failure)])
-    report = merge_reports.merge(merge_reports.find_reports([tmp_path / "reports"]))
+    report = torchrun_merge.merge(torchrun_merge.find_reports([tmp_path / "reports"]))
     root = report["tests"][0]["failure"]
     assert (root["node"], root["rank"], root["process_rank"]) == (1, 3, 3)
     assert root["first_line"] == "node 1: rank 3 error: ValueError: planted"
@@ -97,7 +97,7 @@ def test_every_process_naming_the_same_rank_gives_that_ranks_node_and_its_own_re
 
 def test_passing_rows_keep_every_rank_with_its_node_and_the_maximum_peak(tmp_path: Path) -> None:
     _job(tmp_path / "reports", planted=1)
-    report = merge_reports.merge(merge_reports.find_reports([tmp_path / "reports"]))
+    report = torchrun_merge.merge(torchrun_merge.find_reports([tmp_path / "reports"]))
     ok = next(row for row in report["tests"] if row["nodeid"] == "t.py::test_ok")
     assert [(r["node"], r["rank"]) for r in ok["ranks"]] == [(0, 0), (0, 1), (1, 2), (1, 3)]
     assert ok["peak_host_bytes"] == 103
@@ -107,7 +107,7 @@ def test_passing_rows_keep_every_rank_with_its_node_and_the_maximum_peak(tmp_pat
 
 def test_a_rank_without_a_report_is_named_missing(tmp_path: Path) -> None:
     _job(tmp_path / "reports", planted=3, ranks=range(1, 4))
-    report = merge_reports.merge(merge_reports.find_reports([tmp_path / "reports"]))
+    report = torchrun_merge.merge(torchrun_merge.find_reports([tmp_path / "reports"]))
     assert report["session"]["missing_ranks"] == [0]
     assert report["session"]["nodes"] == [0, 1]
 
@@ -187,7 +187,7 @@ def test_text_from_the_reports_is_printed_and_written_escaped(
     for rank in range(2):
         failure = {"rank": 0, "kind": "oom\x1b[8m", "first_line": hostile}
         _write(tmp_path / "reports", 0, rank, [_row("t.py::test_`bad`\x1b[1m", "failed", rank, failure)])
-    assert merge_reports.main([str(tmp_path / "out"), str(tmp_path / "reports")]) == 0
+    assert torchrun_merge.main([str(tmp_path / "out"), str(tmp_path / "reports")]) == 0
     out = capsys.readouterr().out
     markdown = (tmp_path / "out" / "kit-report.md").read_text()
     failures = markdown[markdown.index("### Failures by node and rank") :]
@@ -209,7 +209,7 @@ def test_merging_onto_a_link_is_a_one_line_refusal_the_target_untouched_and_neit
     target.write_text("a user's file")
     out.mkdir()
     (out / linked).symlink_to(target)
-    assert merge_reports.main([str(out), str(runs)]) == 2
+    assert torchrun_merge.main([str(out), str(runs)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{linked} is a link" in err, err
     assert target.read_text() == "a user's file"
@@ -223,16 +223,16 @@ def test_no_control_character_from_the_reports_reaches_any_line_of_the_markdown(
     for rank in range(2):
         failure = {"rank": 0, "kind": "oom", "first_line": "rank 0 oom: \x1b[2J"}
         _write(tmp_path / "reports", 0, rank, [_row(hostile, "failed", rank, failure)])
-    assert merge_reports.main([str(tmp_path / "out"), str(tmp_path / "reports")]) == 0
+    assert torchrun_merge.main([str(tmp_path / "out"), str(tmp_path / "reports")]) == 0
     markdown = (tmp_path / "out" / "kit-report.md").read_text()
     assert all(ch.isprintable() for line in markdown.splitlines() for ch in line), markdown
     assert "t.py::x\\x1b]0;pwn\\x07" in markdown
 
 
 def _merge_steps(tests: int, processes: int = 2) -> int:
-    """The Python lines `merge` runs in merge_nodes.py itself for `processes` reports of `tests` tests."""
+    """The Python lines `merge` runs in torchrun_merge.py itself for `processes` reports of `tests` tests."""
     sources = [
-        merge_reports.Source(
+        torchrun_merge.Source(
             rank // 2,
             rank,
             Path(f"node{rank // 2}/rank{rank}/kit-report.json"),
@@ -247,14 +247,14 @@ def _merge_steps(tests: int, processes: int = 2) -> int:
 
     def trace(frame, event, arg):
         nonlocal steps
-        if frame.f_code.co_filename != merge_reports.__file__:
+        if frame.f_code.co_filename != torchrun_merge.__file__:
             return None  # the schema's and the report's own work is not the merge's
         steps += event == "line"
         return trace
 
     sys.settrace(trace)
     try:
-        report = merge_reports.merge(sources)
+        report = torchrun_merge.merge(sources)
     finally:
         sys.settrace(None)
     assert len(report["tests"]) == tests and all(row["world_size"] == 4 for row in report["tests"])
@@ -273,11 +273,11 @@ def test_the_size_caps_are_checked_before_any_report_is_parsed(tmp_path: Path) -
     """A set over the total cap was parsed report by report first (262 MB read for 145 s before the
     refusal). Sparse files give the sizes without writing them: no report is ever read here, so
     the first one's unreadable content must not be what is reported."""
-    per_file = merge_reports.MAX_TOTAL_BYTES // 8 - 1  # nine of these pass the total cap
+    per_file = torchrun_merge.MAX_TOTAL_BYTES // 8 - 1  # nine of these pass the total cap
     for node in range(9):
         folder = tmp_path / "reports" / f"node{node}"
         folder.mkdir(parents=True)
         with open(folder / "kit-report.json", "wb") as f:
             f.truncate(per_file)  # zeros: no valid report, but never parsed
     with pytest.raises(ValueError, match=r"bytes under .*: not one job's reports"):
-        merge_reports.find_reports([tmp_path / "reports"])
+        torchrun_merge.find_reports([tmp_path / "reports"])
