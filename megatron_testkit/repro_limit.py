@@ -1,4 +1,4 @@
-"""The CI runner's memory limit, held by the ranks of a repro's run, never by the pytest process.
+"""The memory limit a repro builds around its run's ranks (cgroup, systemd scope or env), pytest left outside.
 
 A CI job dies when its processes exceed the runner's memory; per-rank budgets alone cannot
 reproduce that. The ranks of every `run_ranks` launch of the run share one limit; pytest stays

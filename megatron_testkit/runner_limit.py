@@ -1,4 +1,4 @@
-"""The CI runner's memory limit as the launcher sees it: enforced on a launch's ranks, or read back.
+"""The memory limit the launcher holds a launch's ranks to (KIT_HOST_MEMORY or a cgroup), kills named oom.
 
 A CI job dies when its processes exceed the runner's memory; ``python -m megatron_testkit repro`` and the CI
 job (`ci/limits.py`) reproduce that limit, and the launcher turns it into a named verdict:
