@@ -22,10 +22,11 @@ pass that activation recomputation repeats.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from accounting.adapters import LoraAdapter, adapter_macs_per_token
-from accounting.hybrid import mamba_forward_flops_per_token, parse_hybrid_pattern
+from accounting.hybrid import HybridLayers, mamba_forward_flops_per_token, parse_hybrid_pattern
 from accounting.linear_attention import GDN_VARIANTS, gdn_forward_flops_per_token, linear_layer_pattern
 from accounting.seqlen_fields import describe_malformed
 from accounting.sparse_attention import (
@@ -285,11 +286,16 @@ class ModelShape:
                 "causal = False with DeepSeek sparse attention is not modelled (its mask is causal)"
             )
 
+    @cached_property
+    def hybrid_layers(self) -> HybridLayers | None:
+        """The hybrid pattern's layers, parsed once per shape (a step asks for them several times)."""
+        return None if self.hybrid_pattern is None else parse_hybrid_pattern(self.hybrid_pattern)
+
     @property
     def dsa_layers(self) -> int:
         """DeepSeek-sparse-attention layers, MTP depths included (MTP takes the last layer's kind)."""
-        if self.hybrid_pattern is not None:
-            return parse_hybrid_pattern(self.hybrid_pattern).counts["dsa"]
+        if self.hybrid_layers is not None:
+            return self.hybrid_layers.counts["dsa"]
         if self.experimental_attention_variant == DSA_VARIANT:
             return self.num_layers + self.mtp_num_layers
         return 0
@@ -313,17 +319,17 @@ class ModelShape:
     @property
     def linear_layers(self) -> int:
         """Gated-DeltaNet layers, MTP depths included (an MTP layer takes the last layer's kind)."""
-        if self.hybrid_pattern is not None:
-            return parse_hybrid_pattern(self.hybrid_pattern).counts["gdn"]
+        if self.hybrid_layers is not None:
+            return self.hybrid_layers.counts["gdn"]
         if self.experimental_attention_variant not in GDN_VARIANTS:
             return 0
         pattern = linear_layer_pattern(self.linear_attention_freq, self.num_layers)
         return sum(pattern) + (self.mtp_num_layers if pattern[-1] else 0)
 
     def _check_hybrid(self) -> None:
-        if self.hybrid_pattern is None:
+        layers = self.hybrid_layers
+        if layers is None:
             return  # the mamba_* fields only matter for a hybrid pattern
-        layers = parse_hybrid_pattern(self.hybrid_pattern)
         if len(layers.main) != self.num_layers:
             raise ValueError(
                 f"hybrid_pattern = {self.hybrid_pattern!r} has {len(layers.main)} main layers but "
@@ -512,8 +518,8 @@ class _Layers:
 def _layers(shape: ModelShape) -> _Layers:
     """The layer counts of `shape`: from its hybrid pattern, or from its per-layer frequencies."""
     mtp, linear, dsa = shape.mtp_num_layers, shape.linear_layers, shape.dsa_layers
-    if shape.hybrid_pattern is not None:
-        counts = parse_hybrid_pattern(shape.hybrid_pattern).counts
+    if shape.hybrid_layers is not None:
+        counts = shape.hybrid_layers.counts
         attention = counts["attention"] + counts["mla"] + counts["dsa"]
         return _Layers(attention, counts["mlp"], counts["moe"], counts["mamba"], linear, dsa, mtp)
     pattern = shape.moe_layer_pattern
@@ -699,8 +705,8 @@ def _core_attention_forward(shape: ModelShape, squared: int, left: int, right: i
     pattern = shape.window_layer_pattern
     windowed = sum(pattern) + (shape.mtp_num_layers if pattern[-1] else 0)
     full = shape.num_layers + shape.mtp_num_layers - windowed - shape.linear_layers
-    if shape.hybrid_pattern is not None:
-        counts = parse_hybrid_pattern(shape.hybrid_pattern).counts
+    if shape.hybrid_layers is not None:
+        counts = shape.hybrid_layers.counts
         windowed, full = 0, counts["attention"] + counts["mla"]
     elif dsa:
         full = 0

@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accounting.flops import ModelShape
-from accounting.hybrid import MAMBA_CONV_WIDTH, parse_hybrid_pattern
+from accounting.hybrid import MAMBA_CONV_WIDTH
 from accounting.layout_checks import check_layout
 
 __all__ = ["ATTENTION", "MemoryEstimate", "ParallelLayout", "StageMemory", "memory_estimate", "stage_layers"]
@@ -168,10 +168,10 @@ class MemoryEstimate:
 
 def _layer_kinds(shape: ModelShape) -> list[tuple[str, str]]:
     """(mixer, ffn) of each main decoder layer: mixer in attention/mla/mamba/gdn/dsa, ffn in mlp/moe/none."""
-    if shape.hybrid_pattern is not None:
+    if shape.hybrid_layers is not None:
         names = {"M": ("mamba", "none"), "G": ("gdn", "none"), "*": ("attention", "none")}
         names.update({"+": ("mla", "none"), "D": ("mla", "none"), "-": ("none", "mlp"), "E": ("none", "moe")})
-        return [names[c] for c in parse_hybrid_pattern(shape.hybrid_pattern).main]
+        return [names[c] for c in shape.hybrid_layers.main]
     mixer = "mla" if shape.multi_latent_attention else "attention"
     linear = [0] * shape.num_layers
     if shape.linear_layers:

@@ -11,6 +11,7 @@ out_proj d -> h.
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -135,6 +136,25 @@ def test_bad_hybrid_patterns_name_the_symbol_and_position(pattern, message):
             hybrid_pattern=pattern,
             mamba_head_dim=8,
         )
+
+
+def test_a_hybrid_shape_parses_its_pattern_once_however_many_steps_it_counts(monkeypatch):
+    # The pattern is fixed for a shape's life; a step must not re-read it per term.
+    import accounting.flops
+    from accounting.hybrid import parse_hybrid_pattern
+    from accounting.presets import preset
+
+    parses = []
+
+    def counting(pattern: str):
+        parses.append(pattern)
+        return parse_hybrid_pattern(pattern)  # the real parser: only its calls are counted
+
+    monkeypatch.setattr(accounting.flops, "parse_hybrid_pattern", counting)
+    shape = dataclasses.replace(preset("nemotron-h-8b"))  # built (and checked) under the count
+    steps = [training_flops(shape, SeqlenStats.dense(2, 64)).total for _ in range(3)]
+    assert len(parses) == 1 and steps[0] == steps[1] == steps[2] > 0
+    assert shape.hybrid_layers is not None and len(shape.hybrid_layers.main) == shape.num_layers
 
 
 def test_nemotron_h_8b_preset_counts_the_published_8b_parameters():
