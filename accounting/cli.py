@@ -14,6 +14,8 @@ import argparse
 import itertools
 import json
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 from accounting.cli_input import int_list as _int_list
 from accounting.cli_models import UsageError as _UsageError
@@ -149,7 +151,27 @@ def _at_peak(args, terms: dict[str, int]) -> dict | None:
         raise _UsageError(str(err)) from None
 
 
+@dataclass(frozen=True)
+class _FlopsAnswer:
+    """What `flops` found for one pack, before it is printed as JSON or as a table."""
+
+    name: str  # the model, as the table's first line names it
+    docs: int
+    pack_len: int
+    stats: dict[str, int]
+    adapter: Any
+    result: Any  # FlopsBreakdown
+    dense: int  # model FLOPs if the pack were one document
+    at_peak: dict | None
+
+    @property
+    def over(self) -> float:
+        """How much the pack_len^2 count over-reports model FLOPs."""
+        return self.dense / self.result.total - 1 if self.result.total else 0.0
+
+
 def _flops(args) -> int:
+    """`flops`: one pack's model and hardware FLOPs by term, as JSON or as a table."""
     shape, adapter, name = model_from_args(args)
     stats, pack_len, docs = _stats(args, shape.stats_window)
     frozen = adapter is not None
@@ -157,36 +179,43 @@ def _flops(args) -> int:
         shape, stats, window=shape.stats_window, recompute=args.recompute, frozen_base=frozen, adapter=adapter
     )
     dense = _dense_pack_flops(shape, pack_len, frozen, adapter)
-    over = dense / result.total - 1 if result.total else 0.0
-    at_peak = _at_peak(args, result.terms)
+    answer = _FlopsAnswer(name, docs, pack_len, stats, adapter, result, dense, _at_peak(args, result.terms))
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "preset": args.preset,
-                    "hf_config": args.hf_config,
-                    "num_documents": docs,
-                    "tokens": stats["tokens"],
-                    "pack_len": pack_len,
-                    "squared": stats["squared"],
-                    "recompute": args.recompute,
-                    "frozen_base": frozen,
-                    "adapter": None
-                    if adapter is None
-                    else {"rank": adapter.rank, "targets": list(adapter.targets)},
-                    "model_flops": result.total,
-                    "hardware_flops": result.hardware_total,
-                    "terms": result.terms,
-                    "hardware_terms": result.hardware_terms,
-                    "dense_pack_flops": dense,
-                    "dense_pack_over_report": over,
-                    **({} if at_peak is None else {"device": args.device, "at_peak": at_peak}),
-                }
-            )
-        )
-        return 0
+        print(json.dumps(_flops_json(args, answer)))
+    else:
+        _print_flops(args, answer)
+    return 0
+
+
+def _flops_json(args, answer: _FlopsAnswer) -> dict[str, Any]:
+    """`flops --json`: the answer's figures under their documented keys."""
+    result, adapter, at_peak = answer.result, answer.adapter, answer.at_peak
+    return {
+        "preset": args.preset,
+        "hf_config": args.hf_config,
+        "num_documents": answer.docs,
+        "tokens": answer.stats["tokens"],
+        "pack_len": answer.pack_len,
+        "squared": answer.stats["squared"],
+        "recompute": args.recompute,
+        "frozen_base": adapter is not None,
+        "adapter": None if adapter is None else {"rank": adapter.rank, "targets": list(adapter.targets)},
+        "model_flops": result.total,
+        "hardware_flops": result.hardware_total,
+        "terms": result.terms,
+        "hardware_terms": result.hardware_terms,
+        "dense_pack_flops": answer.dense,
+        "dense_pack_over_report": answer.over,
+        **({} if at_peak is None else {"device": args.device, "at_peak": at_peak}),
+    }
+
+
+def _print_flops(args, answer: _FlopsAnswer) -> None:
+    """`flops`: the pack, a table of the terms this architecture has, the exact totals, the peaks."""
+    result, adapter, stats = answer.result, answer.adapter, answer.stats
     print(
-        f"{name}: {plural(docs, 'document')}, {plural(stats['tokens'], 'real token')} in a pack of {pack_len}"
+        f"{answer.name}: {plural(answer.docs, 'document')}, {plural(stats['tokens'], 'real token')} "
+        f"in a pack of {answer.pack_len}"
     )
     if adapter is not None:
         print(f"frozen base, LoRA rank {adapter.rank} on {', '.join(adapter.targets)}")
@@ -201,20 +230,24 @@ def _flops(args) -> int:
     tokens = stats["tokens"]
     per_token = f"{result.total / tokens:.4e}" if tokens else "n/a"
     print(f"model FLOPs per token: {per_token}")
-    print(f"pack_len^2 count: {dense:.4e} (over-reports model FLOPs by {over:+.2%})")
-    if at_peak is not None:
-        by = at_peak["seconds_at_peak"]
-        single = at_peak["seconds_at_single_peak"]
-        print(
-            f"at {args.device}'s peaks: "
-            + (
-                f"{by:.4e} s by precision"
-                if by is not None
-                else f"no time by precision ({at_peak['seconds_at_peak_unavailable']})"
-            )
-            + (f", {single:.4e} s at the single bf16 peak" if single is not None else "")
+    print(f"pack_len^2 count: {answer.dense:.4e} (over-reports model FLOPs by {answer.over:+.2%})")
+    if answer.at_peak is not None:
+        print(_at_peak_line(args.device, answer.at_peak))
+
+
+def _at_peak_line(device: str, at_peak: dict) -> str:
+    """The time the step takes at `device`'s peaks: by each term's precision, and at the bf16 peak."""
+    by = at_peak["seconds_at_peak"]
+    single = at_peak["seconds_at_single_peak"]
+    return (
+        f"at {device}'s peaks: "
+        + (
+            f"{by:.4e} s by precision"
+            if by is not None
+            else f"no time by precision ({at_peak['seconds_at_peak_unavailable']})"
         )
-    return 0
+        + (f", {single:.4e} s at the single bf16 peak" if single is not None else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
