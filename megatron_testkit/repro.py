@@ -483,6 +483,16 @@ def _note_in_markdown(md: Path, returncode: int, limit: MemoryLimit, kills: list
             f.write("\n" + "\n".join(lines) + "\n")
 
 
+@dataclass(frozen=True)
+class _LimitedRun:
+    """What a run under the runner's limit left: pytest's exit code, the ranks it killed, its figures."""
+
+    returncode: int
+    kills: list[Kill]
+    peak: int | None  # the group's peak memory, where the method measures one
+    oom_count: int | None  # the group's kernel OOM kills, where the method counts them
+
+
 def execute(p: Plan, limit_method: str) -> int:
     """Run the plan with the runner's memory limit on its ranks, then print the verdicts; pytest's exit code."""
     try:
@@ -492,61 +502,88 @@ def execute(p: Plan, limit_method: str) -> int:
     _say(f"runner memory limit: {limit.describe()}")
     _say(printable(shlex.join(p.command)))
     _clean(p.reports)
+    run = _run_and_close(p, limit)
+    print(flush=True)
+    _say("=" * 30 + " verdicts " + "=" * 30)
+    report_path = p.reports / "kit-report.json"
+    local = _print_verdicts(p, report_path, run)
+    usage = _say_usage(limit, run)
+    md = p.reports / "kit-report.md"
+    _note_in_markdown(md, run.returncode, limit, run.kills, usage)
+    _say(f"report {md}, rank logs {p.reports / 'logs'}")
+    if local is not None and failed_tests(local):
+        _say(f"again: {_project.prog} --from-report {report_path}")
+    return _exit_code(p, run.returncode, local)
+
+
+def _run_and_close(p: Plan, limit: MemoryLimit) -> _LimitedRun:
+    """The plan run under `limit`, whose figures are read before it is closed (also when the run fails)."""
     kills: list[Kill] = []
     try:
         returncode, kills = run_limited(p, limit)
     finally:
         peak, oom_count = limit.peak_bytes(), limit.oom_kills()
         limit.close()
+    return _LimitedRun(returncode, kills, peak, oom_count)
 
-    print(flush=True)
-    _say("=" * 30 + " verdicts " + "=" * 30)
-    report_path = p.reports / "kit-report.json"
+
+def _print_verdicts(p: Plan, report_path: Path, run: _LimitedRun) -> dict[str, Any] | None:
+    """The run's verdicts (beside CI's when repeating CI's failures); the report they came from, if usable."""
     try:
         local = load_report(report_path)
     except ReportError as exc:
-        _say(f"pytest exited with {returncode} and left no usable report ({exc})")
+        _say(f"pytest exited with {run.returncode} and left no usable report ({exc})")
         local = None
     if local is not None:
         wanted = {junit_key(test["nodeid"]) for test in failed_tests(local)}
         junit = junit_first_lines(p.reports / "junit.xml", wanted)
         here = {
-            nodeid: with_kills(verdict(test, junit), kills) for nodeid, test in tests_by_id(local).items()
+            nodeid: with_kills(verdict(test, junit), run.kills) for nodeid, test in tests_by_id(local).items()
         }
         if p.ci_failed:
-            ci = [verdict(test, p.ci_junit) for test in p.ci_failed]
-            print(format_comparison(ci, here, p.stale, refused=dict(p.refused)), flush=True)
-            pairs, still = format_pairs(ci, here, [*p.stale, *dict(p.refused)])
-            print(pairs, flush=True)
-            ran = len(ci) - len(p.stale) - len(p.refused)
-            _say(
-                f"{still} of {ran} test(s) CI failed still fail here"
-                if still
-                else f"none of the {ran} test(s) CI failed fails here"
-            )
+            _print_against_ci(p, here)
         else:
             failed = [here[test["nodeid"]] for test in failed_tests(local)]
             print(format_verdicts(failed) if failed else f"no failures ({_counts(local)})", flush=True)
-    elif kills:
-        for kill in kills:
+    elif run.kills:
+        for kill in run.kills:
             _say(f"FAILED {printable(kill.nodeid)}: rank {kill.rank} oom: {printable(kill.reason)}")
-    usage = ""
-    if limit.limit_bytes is not None:
-        if limit.method == "env":
-            usage = f"limit {format_size(limit.limit_bytes)} on the ranks' summed RSS, ranks killed over it {len(kills)}"
-        else:
-            measured = f"peak {format_size(peak)}" if peak is not None else "peak not measured"
-            killed = f", kernel OOM kills {oom_count}" if oom_count is not None else ""
-            usage = f"{measured} of {format_size(limit.limit_bytes)}{killed}"
-        usage = f"runner memory ({limit.method}, on the ranks): {usage}"
-        _say(usage)
-        if limit.leftovers:
-            _say(f"{limit.leftovers} process(es) outlived the run in the limit's group and were killed")
-    md = p.reports / "kit-report.md"
-    _note_in_markdown(md, returncode, limit, kills, usage)
-    _say(f"report {md}, rank logs {p.reports / 'logs'}")
-    if local is not None and failed_tests(local):
-        _say(f"again: {_project.prog} --from-report {report_path}")
+    return local
+
+
+def _print_against_ci(p: Plan, here: dict[str, Verdict]) -> None:
+    """CI's failures beside this run's verdicts of the same tests, and how many still fail."""
+    ci = [verdict(test, p.ci_junit) for test in p.ci_failed]
+    print(format_comparison(ci, here, p.stale, refused=dict(p.refused)), flush=True)
+    pairs, still = format_pairs(ci, here, [*p.stale, *dict(p.refused)])
+    print(pairs, flush=True)
+    ran = len(ci) - len(p.stale) - len(p.refused)
+    _say(
+        f"{still} of {ran} test(s) CI failed still fail here"
+        if still
+        else f"none of the {ran} test(s) CI failed fails here"
+    )
+
+
+def _say_usage(limit: MemoryLimit, run: _LimitedRun) -> str:
+    """Say what the runner's limit measured and did on the ranks; that line ("" without a limit)."""
+    if limit.limit_bytes is None:
+        return ""
+    if limit.method == "env":
+        usage = f"limit {format_size(limit.limit_bytes)} on the ranks' summed RSS, ranks killed over it {len(run.kills)}"
+    else:
+        measured = f"peak {format_size(run.peak)}" if run.peak is not None else "peak not measured"
+        killed = f", kernel OOM kills {run.oom_count}" if run.oom_count is not None else ""
+        usage = f"{measured} of {format_size(limit.limit_bytes)}{killed}"
+    usage = f"runner memory ({limit.method}, on the ranks): {usage}"
+    _say(usage)
+    if limit.leftovers:
+        _say(f"{limit.leftovers} process(es) outlived the run in the limit's group and were killed")
+    return usage
+
+
+def _exit_code(p: Plan, returncode: int, local: dict[str, Any] | None) -> int:
+    """pytest's exit code, but a run that selected nothing or hid a failure fails, as it does in CI."""
     if returncode == 5:
         _say("pytest collected no tests: that is a failure here, as in CI")
         return 1
