@@ -59,10 +59,8 @@ SUMMARY_HELP = (
 )
 
 
-def _summary(argv: list[str]) -> int:
-    """``summary REPORT_DIR``: the job summary's Markdown, the ``::error`` lines or the repro line."""
-    import os
-
+def _summary_parser() -> _Parser:
+    """``summary``'s options: the folder, what to print instead of the Markdown, what to add to it."""
     parser = _Parser(prog=f"{PROG} summary", description=SUMMARY_HELP)
     parser.add_argument("reports", metavar="REPORT_DIR", help="the --kit-report folder (kit-report.json/.md)")
     parser.add_argument("--artifact", metavar="NAME", help="the CI artifact that holds the folder")
@@ -85,8 +83,15 @@ def _summary(argv: list[str]) -> int:
     shown.add_argument(
         "--repro-line", action="store_true", help="print only the command that reproduces the job, one line"
     )
+    return parser
+
+
+def _summary(argv: list[str]) -> int:
+    """``summary REPORT_DIR``: the job summary's Markdown, the ``::error`` lines or the repro line."""
+    import os
+
     try:
-        args = parser.parse_args(argv)
+        args = _summary_parser().parse_args(argv)
     except _Usage as exc:
         print(f"{PROG} summary: error: {exc}", file=sys.stderr)
         return 2

@@ -327,44 +327,49 @@ def parse_dump(dump: Mapping[str, Any], rank: int) -> RankTrace:
     """
     trace = RankTrace(rank=rank, version=str(dump.get("version", "?"))[:40])
     names: dict[str, str] = {}
-    pg_names: dict[str, str] = {}
     status = dump.get("pg_status")
     status = status if isinstance(status, dict) else {}
     raw_entries = dump.get("entries")
     for raw in raw_entries[:_MAX_ENTRIES] if isinstance(raw_entries, list) else []:
         if not isinstance(raw, dict):
             continue
-        group, pg_name = _group_name(raw), _pg_name(raw)
-        names[str(raw.get("pg_id"))] = group
-        pg_names[str(raw.get("pg_id"))] = pg_name
-        is_p2p = raw.get("is_p2p") is True
-        seq = _number(raw.get("p2p_seq_id" if is_p2p else "collective_seq_id"))
-        state = str(raw.get("state"))[:40]
-        pg_status = status.get(str(raw.get("pg_id")))
-        completed = (
-            _number(pg_status.get("last_completed_collective"), -1) if isinstance(pg_status, dict) else -1
-        )
-        profiling = str(raw.get("profiling_name"))[:200]
-        trace.entries.append(
-            Collective(
-                group,
-                seq,
-                profiling,
-                state,
-                is_p2p,
-                _shapes(raw.get("input_sizes")),
-                pg_name,
-                _names(raw.get("input_dtypes")),
-                _shapes(raw.get("output_sizes")),
-                _names(raw.get("output_dtypes")),
-                state == "completed" or raw.get("retired") is True or (not is_p2p and 0 < seq <= completed),
-                _number(raw.get("record_id"), len(trace.entries)),  # absent: entries are in record order
-                _p2p_peer(profiling) if is_p2p else None,
-            )
-        )
-        if not is_p2p:
-            trace.enqueued[group] = max(trace.enqueued.get(group, 0), seq)
+        entry = _collective(raw, status.get(str(raw.get("pg_id"))), len(trace.entries))
+        names[str(raw.get("pg_id"))] = entry.group
+        trace.entries.append(entry)
+        if not entry.is_p2p:
+            trace.enqueued[entry.group] = max(trace.enqueued.get(entry.group, 0), entry.seq)
     trace.first_record = min((e.record_id for e in trace.entries), default=0)
+    _read_status(trace, status, names)
+    _read_config(trace, dump.get("pg_config"))
+    return trace
+
+
+def _collective(raw: Mapping[str, Any], pg_status: Any, position: int) -> Collective:
+    """One entry of a dump; `pg_status` is its group's status (its last completed collective)."""
+    is_p2p = raw.get("is_p2p") is True
+    seq = _number(raw.get("p2p_seq_id" if is_p2p else "collective_seq_id"))
+    state = str(raw.get("state"))[:40]
+    completed = _number(pg_status.get("last_completed_collective"), -1) if isinstance(pg_status, dict) else -1
+    profiling = str(raw.get("profiling_name"))[:200]
+    return Collective(
+        _group_name(raw),
+        seq,
+        profiling,
+        state,
+        is_p2p,
+        _shapes(raw.get("input_sizes")),
+        _pg_name(raw),
+        _names(raw.get("input_dtypes")),
+        _shapes(raw.get("output_sizes")),
+        _names(raw.get("output_dtypes")),
+        state == "completed" or raw.get("retired") is True or (not is_p2p and 0 < seq <= completed),
+        _number(raw.get("record_id"), position),  # absent: entries are in record order
+        _p2p_peer(profiling) if is_p2p else None,
+    )
+
+
+def _read_status(trace: RankTrace, status: dict[Any, Any], names: dict[str, str]) -> None:
+    """Each group's last enqueued and completed collective (`pg_status`), under its entries' group name."""
     for pg_id, pg_status in list(status.items())[:_MAX_ENTRIES]:
         if not isinstance(pg_status, dict):
             continue
@@ -374,7 +379,10 @@ def parse_dump(dump: Mapping[str, Any], rank: int) -> RankTrace:
         if enq > 0:
             trace.enqueued[group] = max(trace.enqueued.get(group, 0), enq)
         trace.completed[group] = done
-    config = dump.get("pg_config")
+
+
+def _read_config(trace: RankTrace, config: Any) -> None:
+    """Each group's member ranks (`pg_config`), by its name."""
     for key, pg in list(config.items())[:_MAX_ENTRIES] if isinstance(config, dict) else []:
         if not isinstance(pg, dict):
             continue
@@ -382,7 +390,6 @@ def parse_dump(dump: Mapping[str, Any], rank: int) -> RankTrace:
         ranks = _ranks_text(pg.get("ranks"))
         if name and ranks:
             trace.groups[name[:200]] = ranks
-    return trace
 
 
 def read_dumps(stem: str | os.PathLike[str], ranks: Iterable[int]) -> list[RankTrace]:
