@@ -1,7 +1,7 @@
 """The golden platform comes from the launches a test's numbers came from, fixture launches included.
 
-Finding 3 of research/gpu_first_run_audit.md: the CP pretrain->SFT golden test took its platform
-from its own launches only; its NCCL launches ran in a module-scoped fixture (recorded on the
+A GPU runner's first run showed why: the CP pretrain->SFT golden test took its platform from its
+own launches only; its NCCL launches ran in a module-scoped fixture (recorded on the
 first test that used it), so the golden test named its platform ``cpu-gloo`` on a GPU runner:
 the wrong file was looked for, ``golden update`` wrote the wrong one and the GPU-only
 throughput bound was dropped. Here the same shape runs on gloo in an inner session: a

@@ -186,7 +186,7 @@ def test_estimate_equals_the_real_models_parameters_and_static_bytes(layout: Lay
         assert res["estimate"] == res["measured"], res
 
 
-# ---------------------------------------------------------------- activations, unfused attention (issue 33)
+# ---------------------------------------------------------------- activations, unfused attention
 
 # The unfused formula's score term, 5*a*s*s*b/t bytes per layer, is three tensors of one element per
 # (head, query, key): the softmax output (2 bytes in bf16), the dropout mask (1 byte) and the dropout

@@ -403,7 +403,7 @@ def test_slim_tensor_inspect_records_exact_stats_on_steps_5_and_10(
                 assert got[key]["l2_norm"] > 0 and got[key]["max"] > got[key]["min"], (rank, key)
         assert not res["hooks_left"]
         # The budget the launcher enforces on this rank: a CUDA rank's VmHWM holds the CUDA
-        # context, NCCL and TE on top of what the CPU-measured budget covers (finding 2).
+        # context, NCCL and TE on top of what the CPU-measured budget covers.
         if te_wanted:
             assert res["host_budget_bytes"] > HOST_BUDGET_BYTES, res  # a CUDA rank: the allowance applies
         else:
@@ -545,9 +545,9 @@ def test_te_bf16_tolerance_holds_for_bf16_statistics_where_1e5_cannot(seed: int)
 
 @pytest.mark.L0
 def test_a_cuda_ranks_rss_is_held_to_the_budget_plus_the_cuda_allowance_a_cpu_ranks_to_the_budget() -> None:
-    # Finding 2 of research/gpu_first_run_audit.md: the te-nvdlfw ranks' VmHWM holds the CUDA
-    # context, NCCL and TE, and was asserted under the 768 MiB CPU budget; the launcher itself
-    # gives such a rank the CUDA allowance. The assert now uses the launcher's function.
+    # On a GPU runner the te-nvdlfw ranks' VmHWM holds the CUDA context, NCCL and TE, and was
+    # once asserted under the 768 MiB CPU budget; the launcher itself gives such a rank the CUDA
+    # allowance. The assert now uses the launcher's function.
     from megatron_testkit.devices import CUDA_HOST_ALLOWANCE
 
     assert rank_host_limit("nccl", True, {}) == HOST_BUDGET_BYTES + CUDA_HOST_ALLOWANCE
@@ -560,8 +560,9 @@ def test_a_cuda_ranks_rss_is_held_to_the_budget_plus_the_cuda_allowance_a_cpu_ra
 
 @pytest.mark.L0
 def test_one_bf16_ulp_separates_two_fp32_norms_and_the_te_tolerance_allows_it() -> None:
-    # Finding 6: two fp32 computations of the same normalised value a few fp32 ulps apart,
-    # straddling the midpoint between two bf16 values, round to adjacent bf16 values.
+    # Why TE's bf16 statistics need one bf16 ulp of tolerance: two fp32 computations of the same
+    # normalised value a few fp32 ulps apart, straddling the midpoint between two bf16 values,
+    # round to adjacent bf16 values.
     mid = 1.0 + 2.0**-8  # halfway between bf16 1.0 and 1.0078125 (ulp 2^-7 at 1.0)
     ours = torch.tensor([mid - 2.0**-22], dtype=torch.float32)  # two fp32 ulps (2^-23 at 1.0) below
     te = torch.tensor([mid + 2.0**-22], dtype=torch.float32)

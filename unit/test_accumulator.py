@@ -597,7 +597,7 @@ def test_a_host_pack_is_counted_as_it_was_when_added(docs):
     assert got["malformed_rows"] == 0 and got["padded_tokens"] == 8 * docs
 
 
-# ---------------------------------------------------------------- the counting path, and refusals (issues 32, 33)
+# ---------------------------------------------------------------- the counting path, and refusals
 
 
 def _module_walk(call) -> list[tuple[str, str]]:

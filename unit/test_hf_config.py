@@ -290,7 +290,7 @@ def test_hf_config_with_nan_is_refused(tmp_path: Path) -> None:
         ModelShape.from_hf_config(path)
 
 
-# ---------------------------------------------------------------- derived and structural keys (issue 33)
+# ---------------------------------------------------------------- derived and structural keys
 
 
 def test_a_llama_without_num_key_value_heads_is_multi_head_as_llamaconfig_reads_it():
@@ -356,7 +356,7 @@ def test_absent_tie_word_embeddings_is_the_classes_default():
     assert tied_embeddings(llama(tie_word_embeddings=True)) is True
 
 
-# ---------------------------------------------------------------- bounds and booleans (re-probe of issue 32)
+# ---------------------------------------------------------------- bounds and booleans
 
 
 @pytest.mark.parametrize(

@@ -362,7 +362,7 @@ def test_memory_answers_for_deepseek_v3_on_an_uneven_pipeline(capsys):
     assert experts == 59 * 256 * 3 * 7168 * 2048 // (64 * 2)
 
 
-# ---------------------------------------------------------------- attention, units, layouts (issue 33)
+# ---------------------------------------------------------------- attention, units, layouts
 
 GiB = 2**30
 

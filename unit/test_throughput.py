@@ -276,7 +276,7 @@ def test_an_interval_above_the_peak_is_flagged_and_logged_as_a_likely_over_count
         assert "over-counted" in warnings[0]
 
 
-# --------------------------------------------------------------- MFU under mixed precision (issue 33)
+# --------------------------------------------------------------- MFU under mixed precision
 
 H100 = "NVIDIA H100 80GB HBM3"  # datasheet dense peaks: BF16 989.4, FP8 1978.9 TFLOP/s
 
