@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit import devices, library_helpers, procfs, rank_result, stall
+from megatron_testkit import devices, library_helpers, procfs, rank_record, rank_result, stall
 from megatron_testkit.budgets import MemoryBudgetExceeded
 from megatron_testkit.procfs import current_rss_bytes
 from megatron_testkit.waits import WaitTracker
@@ -112,31 +112,33 @@ class _Rank:
 
     # -- records -----------------------------------------------------------------------------
     def write_record(self, status: str, **fields: Any) -> None:
-        """Write rank<N>.json atomically (once), so the parent never reads half a record."""
+        """Write rank<N>.json atomically (once), so the parent never reads half a record.
+
+        ``fields`` are the failure's (`rank_record.WrittenRecord`'s exception fields)."""
         with self.lock:
             if self.record_written:
                 return
-            record = {
-                "rank": self.rank,
-                "pid": os.getpid(),
-                "status": status,
-                "started": self.started,
-                "time": time.time(),
-                "peak_host_bytes": max(peak_rss_bytes(), self.memory.peak),
-                "peak_process": self.memory.describe_holder(),
-                "peak_device_bytes": peak_device_bytes(),
-                **_device_and_platform(self.spec["backend"]),
-                "last_collective": self.last_collective,
-                "collective_seq": self.collective_seq,
-                "in_function": self.in_function,
-                "idle_host_bytes": self.idle_host_bytes,
-                "ready_at": self.ready_at,
-                "cpu_substitutions": _cpu_substitutions(),
-                **fields,
-            }
-            tmp = self.run_dir / f"rank{self.rank}.json.tmp"
-            tmp.write_text(json.dumps(record, default=str))
-            os.replace(tmp, self.run_dir / f"rank{self.rank}.json")
+            rank_record.write(
+                self.run_dir,
+                rank_record.WrittenRecord(
+                    rank=self.rank,
+                    pid=os.getpid(),
+                    status=status,
+                    started=self.started,
+                    time=time.time(),
+                    peak_host_bytes=max(peak_rss_bytes(), self.memory.peak),
+                    peak_process=self.memory.describe_holder(),
+                    peak_device_bytes=peak_device_bytes(),
+                    **_device_and_platform(self.spec["backend"]),
+                    last_collective=self.last_collective,
+                    collective_seq=self.collective_seq,
+                    in_function=self.in_function,
+                    idle_host_bytes=self.idle_host_bytes,
+                    ready_at=self.ready_at,
+                    cpu_substitutions=_cpu_substitutions(),
+                    **fields,
+                ),
+            )
             self.record_written = True  # only once it exists: a failed attempt leaves room for the next
 
     def fail(self, exc: BaseException, kind_hint: str | None = None, message: str | None = None) -> None:
