@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_testkit import flight_recorder
 from megatron_testkit.budgets import format_size
 from megatron_testkit.rank_record import RankRecord
 from megatron_testkit.schema import Failure
@@ -183,15 +184,11 @@ class Verdict:
         return self.root.kind or "error"
 
 
-def _no_notes() -> list[str]:
-    return []
-
-
 @dataclass(frozen=True)
 class Evidence:
     """What the launcher knows beside the ranks' records: whether the launch hung, the stall rule's
-    verdict, the host budget, and what the message shows (the timeout, the start, the logs, and
-    the lines `notes` gives, asked only for a failure: the flight recorder's findings, a repro)."""
+    verdict, the host budget, and what a failure's message shows (the timeout, the start, the
+    logs, the ranks' flight-recorder dumps, the line that replays the launch)."""
 
     hung: bool = False
     stall: Stall | None = None
@@ -200,7 +197,8 @@ class Evidence:
     started: float | None = None
     shown_logs: str | None = None  # the logs as the message names them
     log_dir: str | None = None  # `RankFailure.log_dir`: the absolute folder
-    notes: Callable[[], list[str]] = _no_notes
+    dumps: Path | None = None  # the stem of the ranks' flight-recorder dumps (`flight_recorder.DUMP_STEM`)
+    repro: str | None = None
 
 
 def judge(records: list[RankRecord], evidence: Evidence | None = None) -> RankFailure | None:
@@ -214,7 +212,14 @@ def judge(records: list[RankRecord], evidence: Evidence | None = None) -> RankFa
     message = format_failure(
         verdict, timeout=evidence.timeout, log_dir=evidence.shown_logs, started=evidence.started
     )
-    message += "".join(f"\n{line}" for line in evidence.notes())
+    if evidence.dumps is not None:
+        # NCCL dumps on a watchdog timeout and on the launcher's request before it kills a rank;
+        # any rank may also have dumped on its own (gloo records too): what they say joins the message.
+        traces = flight_recorder.read_dumps(evidence.dumps, range(len(records)))
+        findings = flight_recorder.diagnose(traces, len(records)) if traces else []
+        message += "".join(f"\nflight recorder: {line}" for line in findings)
+    if evidence.repro:
+        message += f"\nrepro: {evidence.repro}"
     return RankFailure(
         message, rank=verdict.root.rank, kind=verdict.kind, records=records, log_dir=evidence.log_dir
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_testkit import devices, library_helpers, procfs, rank_record, rank_result, stall
-from megatron_testkit.budgets import MemoryBudgetExceeded
+from megatron_testkit.budgets import check_peaks
 from megatron_testkit.procfs import current_rss_bytes
 from megatron_testkit.waits import WaitTracker
 
@@ -595,17 +595,8 @@ def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[A
 def _check_peaks(state: _Rank) -> None:
     """MemoryBudgetExceeded (a MemoryError) when the exact peaks (VmHWM, with the descendants' sampled sum) broke a budget."""
     state.memory.sample()  # the descendants still alive count once more, budget or not
-    peak_host, peak_device = max(peak_rss_bytes(), state.memory.peak), peak_device_bytes()
-    if state.budget_host and peak_host > state.budget_host:
-        raise MemoryBudgetExceeded(
-            f"host memory budget exceeded: peak RSS {_fmt(peak_host, state.budget_host)} > "
-            f"budget {_fmt(state.budget_host, peak_host)}"
-        )
-    if state.budget_device and peak_device is not None and peak_device > state.budget_device:
-        raise MemoryBudgetExceeded(
-            f"device memory budget exceeded: peak allocated {_fmt(peak_device, state.budget_device)} > "
-            f"budget {_fmt(state.budget_device, peak_device)}"
-        )
+    peak_host = max(peak_rss_bytes(), state.memory.peak)
+    check_peaks(peak_host, peak_device_bytes(), state.budget_host, state.budget_device)
 
 
 def _finish(state: _Rank, result: Any) -> None:

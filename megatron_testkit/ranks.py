@@ -406,13 +406,31 @@ class _Launch:
         # Read first: a malformed value is refused before anything is made.
         self.host_limit = runner_limit.host_memory_limit()
         context = attribution.current()
+        self.fn, self.world_size, self.timeout = fn, world_size, timeout
+        self._settle(context, backend, budget, stall_window)
+        self._join_ledgers()
+        self._make_folder(context, payload, env)
+        self._watch_cgroup()
+        self._start_bookkeeping(context)
+        self.started = time.time()
+
+    def _settle(
+        self,
+        context: attribution.TestContext | None,
+        backend: str,
+        budget: MemoryBudget | None,
+        stall_window: float | str | None,
+    ) -> None:
+        """The test this launch runs for, its budget (refused below a known idle footprint), its
+        stall window and its backend."""
         self.in_test = attribution.current_test_id() is not None
-        self.test_id = attribution.current_test_id() or f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
+        self.test_id = (
+            attribution.current_test_id() or f"{getattr(self.fn, '__module__', '?')}.{self.fn.__qualname__}"
+        )
         if budget is None and context is not None:
             budget = context.budget
         self.budget = budget or MemoryBudget()
         IDLE_FOOTPRINT.refuse_below(self.budget)
-        self.world_size, self.timeout = world_size, timeout
         # The stall window: the argument, else the test's stall_window marker, else KIT_STALL_WINDOW.
         if stall_window == "default":
             stall_window = (
@@ -423,15 +441,23 @@ class _Launch:
         self.stall_window = stall.check_window(stall_window)
         # Marked `gpu` or not (None outside a test): only `gpu` tests get NCCL and see the GPUs.
         self.gpu_test = context.gpu if context is not None else None
-        self.backend = choose_backend(backend, world_size, self.gpu_test)
+        self.backend = choose_backend(backend, self.world_size, self.gpu_test)
+
+    def _join_ledgers(self) -> None:
+        """The session's ledger and, for a top-level session, the machine's (one per user and boot);
+        a launch that could never fit is refused before anything is made: it could only wait forever."""
         self.ledger = admission.session_ledger()
-        # A top-level session's launches also go through the machine's ledger (one per user and boot).
         self.machine = machine_ledger.launch_ledger() if self.ledger is not None else None
-        if self.ledger is not None:  # refused before anything is made: it could only wait forever
-            self.ledger.refuse_never_fits(self.admission_share(), world_size, self.test_id)
+        if self.ledger is not None:
+            self.ledger.refuse_never_fits(self.admission_share(), self.world_size, self.test_id)
+
+    def _make_folder(
+        self, context: attribution.TestContext | None, payload: bytes, env: dict[str, str] | None
+    ) -> None:
+        """The launch's folder with the pickled payload, where its logs are shown, the ranks' environment."""
         # The process group times out before the launch does, so NCCL's watchdog writes its flight
         # recorder while the launcher still waits; gloo gets the same margin.
-        self.pg_timeout = max(5.0, min(timeout * 0.8, timeout - 10.0))
+        self.pg_timeout = max(5.0, min(self.timeout * 0.8, self.timeout - 10.0))
         self.seed = attribution.seed_for(self.test_id)
         log_root = context.log_root if context else attribution.log_root()
         self.run_dir, self.keep = _run_dir(self.test_id, log_root)
@@ -444,13 +470,15 @@ class _Launch:
         )
         (self.run_dir / "payload.pkl").write_bytes(payload)
         self.spec_path = self.run_dir / "spec.json"
-        self.fn = fn
         # NCCL: flight recorder on, dumps and dump-request pipes in the launch's directory.
         self.env = flight_recorder.nccl_env(self.run_dir) if self.backend == "nccl" else {}
         self.env.update(devices.rank_device_env(self.backend, gpu_test=self.gpu_test))
         # megatron's groups take this timeout (fixtures.megatron.init_model_parallel), not 30 minutes.
         self.env[flight_recorder.PG_TIMEOUT_ENV] = str(self.pg_timeout)
         self.env.update(env or {})
+
+    def _watch_cgroup(self) -> None:
+        """The memory cgroup whose OOM kills name ranks as ``oom``, and its counters before the launch."""
         self.rss_before: dict[int, int] = {}
         # Without a ranks' cgroup, the ranks share this process's own memory cgroup (a container's,
         # a CI job's): a kernel OOM kill there is read from its oom_kill counter alone.
@@ -461,6 +489,9 @@ class _Launch:
             "the launcher's own memory cgroup" if self.own_cgroup else "the ranks' memory cgroup"
         )
         self.oom_before = self._oom_counters()
+
+    def _start_bookkeeping(self, context: attribution.TestContext | None) -> None:
+        """What the launch keeps while it runs: its ranks and their helpers, tickets, positions."""
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
         self.ticket: admission.Ticket | None = None
@@ -480,7 +511,6 @@ class _Launch:
         self.start_reason: str | None = None
         self.children_before: set[int] = set()
         self.process_group = True  # the ranks' default group is the kit's (False: fn makes its own)
-        self.started = time.time()
         # When the wait for admission began, and how long it took (the heartbeat states it).
         self.admit_started: float | None = None
         self.admitted_after: float | None = None
@@ -888,28 +918,16 @@ class _Launch:
                 started=self.started,
                 shown_logs=self.shown_logs,
                 log_dir=str(self.run_dir),
-                notes=self.failure_notes,
+                dumps=self.run_dir / flight_recorder.DUMP_STEM,
+                # Same test id, same seeds: this replays the launch as it ran.
+                repro=(
+                    f"KIT_SEED={self.seed} python -m pytest '{self.test_id}' "
+                    f"(world_size={self.world_size}, backend={self.backend})"
+                    if self.in_test
+                    else None
+                ),
             ),
         )
-
-    def failure_notes(self) -> list[str]:
-        """The lines a failure's message ends with: what the flight-recorder dumps say, the repro."""
-        # NCCL dumps on a watchdog timeout and on the launcher's request (`stop`); any rank may
-        # also have dumped on its own (gloo records too): what the dumps say joins the message.
-        notes = [f"flight recorder: {line}" for line in self.flight_recorder_findings()]
-        if self.in_test:
-            # Same test id, same seeds: this replays the launch as it ran.
-            notes.append(
-                f"repro: KIT_SEED={self.seed} python -m pytest '{self.test_id}' "
-                f"(world_size={self.world_size}, backend={self.backend})"
-            )
-        return notes
-
-    def flight_recorder_findings(self) -> list[str]:
-        """What the ranks' flight-recorder dumps say (which rank is behind, in which collective)."""
-        stem = self.run_dir / flight_recorder.DUMP_STEM
-        traces = flight_recorder.read_dumps(stem, range(self.world_size))
-        return flight_recorder.diagnose(traces, self.world_size) if traces else []
 
     def results(self, records: list[RankRecord]) -> list[Any] | RankFailure:
         """Every rank's return value, in rank order; a `RankFailure` naming a rank that left none."""
@@ -1084,9 +1102,16 @@ def run_ranks(
         stall_window=stall_window,
     )
     launch.process_group = process_group
+    return _run(launch, every)
+
+
+def _run(launch: _Launch, every: float | None) -> list[Any]:
+    """Admit, spawn and supervise the launch under its heartbeat, read what the ranks left, ask for
+    the verdict, clean up and report; the ranks' results, or the verdict raised."""
+    __tracebackhide__ = True
     failure: BaseException | None = None
     name = launch.test_id.rsplit("::", 1)[-1] if launch.in_test else launch.test_id
-    beat = heartbeat.Heartbeat(name, world_size, launch.progress, every, launch.queued_so_far).start()
+    beat = heartbeat.Heartbeat(name, launch.world_size, launch.progress, every, launch.queued_so_far).start()
     try:
         launch.start()
         try:

@@ -294,20 +294,16 @@ class _PeakSinceCall:
 
     def check(self) -> None:
         """`MemoryBudgetExceeded` when a peak since the call broke the test's budget."""
-        from megatron_testkit.budgets import MemoryBudgetExceeded, format_size
+        from megatron_testkit.budgets import check_peaks
 
-        host, device = self.host(), self.device()
-        if self.budget_host and host is not None and host > self.budget_host:
-            raise MemoryBudgetExceeded(
-                f"host memory budget exceeded: peak RSS {format_size(host, self.budget_host)} since the "
-                f"call > budget {format_size(self.budget_host, host)} (torchrun: checked after the call)"
-            )
-        if self.budget_device and device is not None and device > self.budget_device:
-            raise MemoryBudgetExceeded(
-                f"device memory budget exceeded: peak allocated {format_size(device, self.budget_device)} "
-                f"since the call > budget {format_size(self.budget_device, device)} (torchrun: checked "
-                "after the call)"
-            )
+        check_peaks(
+            self.host(),
+            self.device(),
+            self.budget_host,
+            self.budget_device,
+            since=" since the call",
+            note=" (torchrun: checked after the call)",
+        )
 
 
 def _failed_record(rank: int, exc: BaseException) -> Any:

@@ -139,7 +139,7 @@ def test_an_oom_at_startup_is_refused_as_the_budget_only_when_there_is_a_host_bu
         BudgetBelowFootprint, match=r"host memory budget 48\.00 MiB is below a rank's startup"
     ):
         judge(_startup_oom(), Evidence(host_budget=48 << 20))
-    failure = judge(_startup_oom(), Evidence(notes=lambda: ["repro: here"]))
+    failure = judge(_startup_oom(), Evidence(repro="here"))
     assert failure is not None and (failure.rank, failure.kind) == (0, "oom")
     assert str(failure).endswith("\nrepro: here")
 
