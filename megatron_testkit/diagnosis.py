@@ -1,6 +1,7 @@
 """From what every rank left behind to one verdict: which rank, which kind, and why.
 
-Pure functions over `RankRecord`s, so the rules are unit-testable without spawning anything.
+Functions over `RankRecord`s (the one file they read: the ranks' flight-recorder dumps, when the
+launcher's evidence names them), so the rules are unit-testable without spawning anything.
 The rules, in order:
 
 1. A rank that failed on its own (an exception that is not a knock-on, a signal, an exit without
