@@ -110,6 +110,30 @@ class MemoryBudgetExceeded(MemoryError):
     """
 
 
+def check_peaks(
+    host: int | None,
+    device: int | None,
+    budget_host: int | None,
+    budget_device: int | None,
+    *,
+    since: str = "",
+    note: str = "",
+) -> None:
+    """`MemoryBudgetExceeded` when a peak went over its budget, the host's first (None: unknown
+    or unlimited). The one message of a rank's peaks checked after its function; ``since`` says
+    from when the peak counts, ``note`` who checked."""
+    if budget_host and host is not None and host > budget_host:
+        raise MemoryBudgetExceeded(
+            f"host memory budget exceeded: peak RSS {format_size(host, budget_host)}{since} > "
+            f"budget {format_size(budget_host, host)}{note}"
+        )
+    if budget_device and device is not None and device > budget_device:
+        raise MemoryBudgetExceeded(
+            f"device memory budget exceeded: peak allocated {format_size(device, budget_device)}{since} > "
+            f"budget {format_size(budget_device, device)}{note}"
+        )
+
+
 @dataclass(frozen=True)
 class MemoryBudget:
     """Per-rank peak limits in bytes; ``None`` means unlimited on that side."""

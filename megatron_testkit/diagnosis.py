@@ -1,6 +1,7 @@
 """From what every rank left behind to one verdict: which rank, which kind, and why.
 
-Pure functions over `RankRecord`s, so the rules are unit-testable without spawning anything.
+Functions over `RankRecord`s (the one file they read: the ranks' flight-recorder dumps, when the
+launcher's evidence names them), so the rules are unit-testable without spawning anything.
 The rules, in order:
 
 1. A rank that failed on its own (an exception that is not a knock-on, a signal, an exit without
@@ -12,16 +13,43 @@ The rules, in order:
    collectives is named (the one the others wait for), the lowest rank on ties. A deadlock found
    by the stall rule (`megatron_testkit.stall`) names the rank its verdict names, with every
    rank's position.
+4. An ``oom`` before the test's function started (the rank's startup footprint over the host
+   budget) is the budget's fault, no rank's: `BudgetBelowFootprint`.
+
+`judge` applies them once and gives the launcher its verdict: the `RankFailure` to raise (its
+message leads with the root cause), or None when every rank returned. What the rules note beside
+the records (the stall rule's verdict, the rank whose collective timed out) is the `Verdict`'s.
 """
 
 from __future__ import annotations
 
 import re
 import signal
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from megatron_testkit.schema import Failure, RankPeak
+from megatron_testkit import flight_recorder
+from megatron_testkit.budgets import format_size
+from megatron_testkit.rank_record import RankRecord
+from megatron_testkit.schema import Failure
+
+if TYPE_CHECKING:
+    from megatron_testkit.stall import Stall
+
+__all__ = [
+    "BudgetBelowFootprint",
+    "Evidence",
+    "RankFailure",
+    "RankRecord",
+    "Verdict",
+    "classify",
+    "format_failure",
+    "judge",
+    "root_cause",
+    "signal_name",
+    "without_kit_frames",
+]
 
 _OOM_PATTERNS = re.compile(
     r"out of memory|can't allocate memory|cannot allocate memory|not enough memory|"
@@ -50,63 +78,8 @@ _TIMEOUT_PATTERNS = re.compile(
 )
 
 
-@dataclass
-class RankRecord:
-    """Everything known about one rank after a launch.
-
-    `status` is ``ok`` (returned), ``failed`` (exception, signal or non-zero exit), ``torn_down``
-    (still running when another rank's failure ended the launch) or ``hung`` (still running at
-    the timeout). Times are wall-clock seconds (`time.time()`), comparable across the ranks of a
-    host.
-    """
-
-    rank: int
-    status: str
-    pid: int | None = None
-    exit_code: int | None = None
-    signal: str | None = None
-    time: float | None = None
-    exc_type: str | None = None
-    exc_message: str | None = None
-    traceback: str | None = None
-    kind_hint: str | None = None
-    peak_host_bytes: int | None = None
-    peak_device_bytes: int | None = None
-    peak_process: str | None = None  # the descendant that held most of the rank's peak, if any
-    last_collective: str | None = None
-    collective_seq: int = 0
-    stack: str | None = None
-    log_path: str | None = None
-    log_tail: str | None = None
-    kind: str | None = None
-    knock_on: bool = False
-    extra: dict = field(default_factory=dict)
-
-    def summary(self) -> str:
-        """One line: what this rank died of, e.g. ``RuntimeError: Connection closed by peer``."""
-        if self.exc_type:
-            text = (self.exc_message or "").strip().splitlines()
-            return f"{self.exc_type}: {text[0] if text else ''}".rstrip(": ")
-        printed = f" after printing: {self.extra['oom_line']}" if self.extra.get("oom_line") else ""
-        if self.signal:
-            hint = " (possibly the kernel OOM killer)" if self.signal == "SIGKILL" and not printed else ""
-            return f"killed by {self.signal}{hint}{printed}"
-        if self.exit_code not in (None, 0):
-            return f"exited with code {self.exit_code} without a Python exception{printed}"
-        if self.exit_code == 0 and self.status == "failed":
-            return "exited with code 0 before returning (no result, no record)"
-        return self.status
-
-    def peak(self) -> RankPeak:
-        """This rank's row in the report."""
-        return RankPeak(
-            self.rank,
-            self.peak_host_bytes,
-            self.peak_device_bytes,
-            self.exit_code,
-            self.signal,
-            self.peak_process,
-        )
+class BudgetBelowFootprint(ValueError):
+    """A host budget smaller than a rank's startup or idle footprint: no test function can run within it."""
 
 
 class RankFailure(Exception):
@@ -164,7 +137,7 @@ def classify(record: RankRecord) -> None:
         # No Python exception: a signal or a bare exit, diagnosed from the rank's last output.
         oom_line = _oom_line(record)
         if oom_line is not None:
-            record.kind, record.extra["oom_line"] = "oom", oom_line
+            record.kind, record.oom_line = "oom", oom_line
         elif record.log_tail and _WATCHDOG_PATTERNS.search(record.log_tail):
             # NCCL's watchdog aborts a rank whose collective timed out: a hang, not a crash.
             record.kind = "hang"
@@ -196,8 +169,96 @@ def _oom_line(record: RankRecord) -> str | None:
     return None
 
 
+@dataclass
+class Verdict:
+    """The rank to blame and what the rules noted beside the records: the stall rule's deadlock
+    verdict that named it, or the rank whose collective timed out while it was the one behind."""
+
+    root: RankRecord
+    records: list[RankRecord]
+    stall: Stall | None = None
+    timed_out_rank: int | None = None
+
+    @property
+    def kind(self) -> str:
+        """The root cause's kind: oom, error, crash or hang."""
+        return self.root.kind or "error"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the launcher knows beside the ranks' records: whether the launch hung, the stall rule's
+    verdict, the host budget, and what a failure's message shows (the timeout, the start, the
+    logs, the ranks' flight-recorder dumps, the line that replays the launch)."""
+
+    hung: bool = False
+    stall: Stall | None = None
+    host_budget: int | None = None
+    timeout: float | None = None
+    started: float | None = None
+    shown_logs: str | None = None  # the logs as the message names them
+    log_dir: str | None = None  # `RankFailure.log_dir`: the absolute folder
+    dumps: Path | None = None  # the stem of the ranks' flight-recorder dumps (`flight_recorder.DUMP_STEM`)
+    repro: str | None = None
+
+
+def judge(records: list[RankRecord], evidence: Evidence | None = None) -> RankFailure | None:
+    """The launch's verdict (the rules in the module docstring): the `RankFailure` to raise, or None
+    when every rank returned. `BudgetBelowFootprint` when the root cause is a rank's startup
+    footprint over the host budget."""
+    evidence = evidence or Evidence()
+    verdict = decide(records, evidence)
+    if verdict is None:
+        return None
+    message = format_failure(
+        verdict, timeout=evidence.timeout, log_dir=evidence.shown_logs, started=evidence.started
+    )
+    if evidence.dumps is not None:
+        # NCCL dumps on a watchdog timeout and on the launcher's request before it kills a rank;
+        # any rank may also have dumped on its own (gloo records too): what they say joins the message.
+        traces = flight_recorder.read_dumps(evidence.dumps, range(len(records)))
+        findings = flight_recorder.diagnose(traces, len(records)) if traces else []
+        message += "".join(f"\nflight recorder: {line}" for line in findings)
+    if evidence.repro:
+        message += f"\nrepro: {evidence.repro}"
+    return RankFailure(
+        message, rank=verdict.root.rank, kind=verdict.kind, records=records, log_dir=evidence.log_dir
+    )
+
+
+def decide(records: list[RankRecord], evidence: Evidence) -> Verdict | None:
+    """The `Verdict` (None when every rank returned and the launch did not hang)."""
+    verdict = _blame(records)
+    if verdict is None and not evidence.hung:
+        return None
+    assert verdict is not None
+    if evidence.stall is not None and verdict.root.status == "hung":
+        # Deadlocked: the rank the others wait for, as the stall rule named it.
+        root = records[evidence.stall.rank]
+        root.kind = "hang"
+        verdict = Verdict(root, records, stall=evidence.stall)
+    _refuse_if_failed_at_startup(verdict.root, evidence.host_budget)
+    return verdict
+
+
+def _refuse_if_failed_at_startup(root: RankRecord, host_budget: int | None) -> None:
+    """A host budget crossed before the test's function started is the budget's fault, no rank's."""
+    if root.kind == "oom" and root.in_function is False and host_budget is not None:
+        raise BudgetBelowFootprint(
+            f"host memory budget {format_size(host_budget)} is below a rank's startup footprint: "
+            f"rank {root.rank} crossed it before the test's function started (Python, torch, the "
+            f"test's module, the process group): raise memory_budget(host=...). {root.summary()}"
+        )
+
+
 def root_cause(records: list[RankRecord]) -> RankRecord | None:
-    """The rank to blame (rules in the module docstring), or None when every rank succeeded."""
+    """The rank to blame (rules 1-3 in the module docstring), or None when every rank succeeded."""
+    verdict = _blame(records)
+    return verdict.root if verdict is not None else None
+
+
+def _blame(records: list[RankRecord]) -> Verdict | None:
+    """Rules 1-3: classify every record, then name the root cause."""
     for record in records:
         classify(record)
     failed = [r for r in records if r.status == "failed"]
@@ -205,17 +266,16 @@ def root_cause(records: list[RankRecord]) -> RankRecord | None:
     if primary:
         first = min(primary, key=lambda r: (r.time if r.time is not None else float("inf"), r.rank))
         if first.kind != "hang":
-            return first
+            return Verdict(first, records)
         # A collective timed out: the rank that timed out was waiting, the one it waited for is
         # the story. Among the stuck ranks, blame the one that entered the fewest collectives.
         stuck = [r for r in records if r.kind == "hang" or r.status in ("torn_down", "hung")]
         laggard = min(stuck, key=lambda r: (r.collective_seq, r.rank))
         laggard.kind = "hang"
-        laggard.extra.setdefault("timed_out_rank", first.rank)
-        return laggard
+        return Verdict(laggard, records, timed_out_rank=first.rank)
     hung = [r for r in records if r.status == "hung"]
     if hung:
-        return min(hung, key=lambda r: (r.collective_seq, r.rank))
+        return Verdict(min(hung, key=lambda r: (r.collective_seq, r.rank)), records)
     return None
 
 
@@ -246,37 +306,48 @@ def _indent(text: str, prefix: str) -> str:
 
 
 def format_failure(
-    root: RankRecord,
-    records: list[RankRecord],
+    verdict: Verdict,
     *,
     timeout: float | None = None,
     log_dir: str | None = None,
     started: float | None = None,
 ) -> str:
     """The `RankFailure` message: the root cause first, then the other ranks, then the logs."""
-    kind = root.kind or "error"
-    stalled = root.extra.get("stall")
-    if kind == "hang" and stalled is not None:
-        first = f"rank {root.rank} hang: {stalled.why}; stacks and collective counts of every rank below"
-    elif kind == "hang" and root.status != "failed":
-        if "timed_out_rank" in root.extra:
-            why = f"a collective timed out on rank {root.extra['timed_out_rank']}"
-        else:
-            why = (
-                f"no rank finished within {timeout:g} s of its set-up"
-                if timeout is not None
-                else "the launch timed out"
-            )
-        last = f", last {root.last_collective}" if root.last_collective else ", none yet"
-        first = (
-            f"rank {root.rank} hang: {why}; rank {root.rank} entered the fewest collectives "
-            f"({root.collective_seq}{last}); stacks of every rank below"
-        )
+    others = [r for r in verdict.records if r.rank != verdict.root.rank]
+    lines = [_headline(verdict, timeout), "", *_root_lines(verdict, started)]
+    if others:
+        lines += ["", "Other ranks:", *_other_lines(others, deadlocked=verdict.stall is not None)]
+    if log_dir:
+        lines += ["", f"Rank logs: {log_dir}"]
+    lines += _output_lines([verdict.root, *others])
+    return "\n".join(lines)
+
+
+def _headline(verdict: Verdict, timeout: float | None) -> str:
+    """The message's first line: ``rank <r> <kind>: why``."""
+    root, kind = verdict.root, verdict.kind
+    if kind == "hang" and verdict.stall is not None:
+        return f"rank {root.rank} hang: {verdict.stall.why}; stacks and collective counts of every rank below"
+    if kind != "hang" or root.status == "failed":
+        return f"rank {root.rank} {kind}: {root.summary()}"
+    if verdict.timed_out_rank is not None:
+        why = f"a collective timed out on rank {verdict.timed_out_rank}"
+    elif timeout is not None:
+        why = f"no rank finished within {timeout:g} s of its set-up"
     else:
-        first = f"rank {root.rank} {kind}: {root.summary()}"
-    lines = [first, ""]
+        why = "the launch timed out"
+    last = f", last {root.last_collective}" if root.last_collective else ", none yet"
+    return (
+        f"rank {root.rank} hang: {why}; rank {root.rank} entered the fewest collectives "
+        f"({root.collective_seq}{last}); stacks of every rank below"
+    )
+
+
+def _root_lines(verdict: Verdict, started: float | None) -> list[str]:
+    """The root cause: when, the stall rule's findings, its last collective, traceback and stack."""
+    root, kind, stalled = verdict.root, verdict.kind, verdict.stall
     when = f" at +{root.time - started:.2f} s" if root.time is not None and started is not None else ""
-    lines.append(f"Root cause: rank {root.rank} ({kind}){when}")
+    lines = [f"Root cause: rank {root.rank} ({kind}){when}"]
     if stalled is not None and getattr(stalled, "waits", ()):
         lines.append("  who waits for whom (the wait-for graph, megatron_testkit.wait_graph):")
         lines += [f"    {line}" for line in stalled.waits]
@@ -290,16 +361,19 @@ def format_failure(
     if root.stack and (kind in ("hang", "crash") or not root.traceback):
         lines.append(f"  Python stack of rank {root.rank} (faulthandler):")
         lines.append(_indent(without_kit_frames(root.stack), "    "))
-    others = [r for r in records if r.rank != root.rank]
-    if others:
-        lines += ["", "Other ranks:"]
+    return lines
+
+
+def _other_lines(others: list[RankRecord], deadlocked: bool) -> list[str]:
+    """One line per other rank (what became of it, its last collective), a stuck one's stack."""
+    lines = []
     for rec in others:
         if rec.status == "failed":
             why = " (knock-on: a peer went away)" if rec.knock_on else ""
             desc = f"{rec.kind}{why}: {rec.summary()}"
         elif rec.status == "torn_down":
             desc = "still running; torn down by the launcher after the root cause"
-        elif rec.status == "hung" and stalled is not None:
+        elif rec.status == "hung" and deadlocked:
             desc = "blocked too (deadlocked with the root cause)"
         elif rec.status == "hung":
             desc = "hung (still running at the timeout)"
@@ -310,10 +384,14 @@ def format_failure(
         lines.append(f"  rank {rec.rank}: {desc}")
         if rec.stack and (rec.status in ("hung", "torn_down") or rec.kind == "hang"):
             lines.append(_indent(without_kit_frames(rec.stack), "      "))
-    if log_dir:
-        lines += ["", f"Rank logs: {log_dir}"]
-    for rec in [root, *others]:
+    return lines
+
+
+def _output_lines(records: list[RankRecord]) -> list[str]:
+    """Each rank's last lines of output, root cause first, prefixed by its rank."""
+    lines = []
+    for rec in records:
         if rec.log_tail and rec.log_tail.strip():
             lines.append(f"--- rank {rec.rank} output (last lines) ---")
             lines.append(_indent(rec.log_tail, f"[rank{rec.rank}] "))
-    return "\n".join(lines)
+    return lines

@@ -25,8 +25,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from megatron_testkit import devices, library_helpers, procfs, rank_result, stall
-from megatron_testkit.budgets import MemoryBudgetExceeded
+from megatron_testkit import devices, library_helpers, procfs, rank_record, rank_result, stall
+from megatron_testkit.budgets import check_peaks
 from megatron_testkit.procfs import current_rss_bytes
 from megatron_testkit.waits import WaitTracker
 
@@ -112,31 +112,33 @@ class _Rank:
 
     # -- records -----------------------------------------------------------------------------
     def write_record(self, status: str, **fields: Any) -> None:
-        """Write rank<N>.json atomically (once), so the parent never reads half a record."""
+        """Write rank<N>.json atomically (once), so the parent never reads half a record.
+
+        ``fields`` are the failure's (`rank_record.WrittenRecord`'s exception fields)."""
         with self.lock:
             if self.record_written:
                 return
-            record = {
-                "rank": self.rank,
-                "pid": os.getpid(),
-                "status": status,
-                "started": self.started,
-                "time": time.time(),
-                "peak_host_bytes": max(peak_rss_bytes(), self.memory.peak),
-                "peak_process": self.memory.describe_holder(),
-                "peak_device_bytes": peak_device_bytes(),
-                **_device_and_platform(self.spec["backend"]),
-                "last_collective": self.last_collective,
-                "collective_seq": self.collective_seq,
-                "in_function": self.in_function,
-                "idle_host_bytes": self.idle_host_bytes,
-                "ready_at": self.ready_at,
-                "cpu_substitutions": _cpu_substitutions(),
-                **fields,
-            }
-            tmp = self.run_dir / f"rank{self.rank}.json.tmp"
-            tmp.write_text(json.dumps(record, default=str))
-            os.replace(tmp, self.run_dir / f"rank{self.rank}.json")
+            rank_record.write(
+                self.run_dir,
+                rank_record.WrittenRecord(
+                    rank=self.rank,
+                    pid=os.getpid(),
+                    status=status,
+                    started=self.started,
+                    time=time.time(),
+                    peak_host_bytes=max(peak_rss_bytes(), self.memory.peak),
+                    peak_process=self.memory.describe_holder(),
+                    peak_device_bytes=peak_device_bytes(),
+                    **_device_and_platform(self.spec["backend"]),
+                    last_collective=self.last_collective,
+                    collective_seq=self.collective_seq,
+                    in_function=self.in_function,
+                    idle_host_bytes=self.idle_host_bytes,
+                    ready_at=self.ready_at,
+                    cpu_substitutions=_cpu_substitutions(),
+                    **fields,
+                ),
+            )
             self.record_written = True  # only once it exists: a failed attempt leaves room for the next
 
     def fail(self, exc: BaseException, kind_hint: str | None = None, message: str | None = None) -> None:
@@ -593,17 +595,8 @@ def _set_up(spec: dict[str, Any], rank: int, state: _Rank) -> tuple[Any, tuple[A
 def _check_peaks(state: _Rank) -> None:
     """MemoryBudgetExceeded (a MemoryError) when the exact peaks (VmHWM, with the descendants' sampled sum) broke a budget."""
     state.memory.sample()  # the descendants still alive count once more, budget or not
-    peak_host, peak_device = max(peak_rss_bytes(), state.memory.peak), peak_device_bytes()
-    if state.budget_host and peak_host > state.budget_host:
-        raise MemoryBudgetExceeded(
-            f"host memory budget exceeded: peak RSS {_fmt(peak_host, state.budget_host)} > "
-            f"budget {_fmt(state.budget_host, peak_host)}"
-        )
-    if state.budget_device and peak_device is not None and peak_device > state.budget_device:
-        raise MemoryBudgetExceeded(
-            f"device memory budget exceeded: peak allocated {_fmt(peak_device, state.budget_device)} > "
-            f"budget {_fmt(state.budget_device, peak_device)}"
-        )
+    peak_host = max(peak_rss_bytes(), state.memory.peak)
+    check_peaks(peak_host, peak_device_bytes(), state.budget_host, state.budget_device)
 
 
 def _finish(state: _Rank, result: Any) -> None:

@@ -34,7 +34,6 @@ from typing import Any
 
 import psutil
 
-from accounting.json_input import JsonInputError, load_json
 from megatron_testkit import (
     admission,
     attribution,
@@ -48,6 +47,7 @@ from megatron_testkit import (
     procfs,
     proctree,
     rank_log,
+    rank_record,
     rank_worker,
     runner_limit,
     stall,
@@ -55,7 +55,14 @@ from megatron_testkit import (
     warm_start,
 )
 from megatron_testkit.budgets import MemoryBudget, format_size
-from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause, signal_name
+from megatron_testkit.diagnosis import (
+    BudgetBelowFootprint,
+    Evidence,
+    RankFailure,
+    RankRecord,
+    judge,
+    signal_name,
+)
 from megatron_testkit.memory_series import Sampler
 from megatron_testkit.rank_log import CappedLog
 from megatron_testkit.report_dir import in_report_folder
@@ -83,10 +90,6 @@ _POLL_S = 0.05
 # How often the launcher reads the ranks' positions (set-up done, collective, CPU) for stalls.
 _POSITION_S = 0.25
 _LOG_TAIL_LINES = 40
-# A rank's record is its own JSON, a few kB; a traceback or a huge exception message is clipped
-# here rather than read whole (the record is untrusted: the rank ran arbitrary code).
-_MAX_RECORD_BYTES = 16 * 2**20
-_MAX_TEXT = 1 << 20
 
 _BOOTSTRAP = (
     "import json, os, sys\n"
@@ -213,10 +216,6 @@ def _threads_per_rank(world_size: int) -> int:
     return max(1, cores // (world_size * max(1, workers)))
 
 
-class BudgetBelowFootprint(ValueError):
-    """A host budget smaller than an idle rank's footprint: no test function can run within it."""
-
-
 class IdleFootprint:
     """The smallest idle-rank footprint (Python + torch, before anything else) seen in this process.
 
@@ -295,53 +294,6 @@ def _rank_env(env: dict[str, str], rank: int, world_size: int, spec_path: Path, 
     return child
 
 
-def _read_record(path: Path) -> dict[str, Any] | None:
-    """A rank's record (``rank<N>.json``) through the bounded reader, its fields typed; None when
-    it is missing, and ``{"unreadable": why}`` when it is not a record the kit wrote (forged: deep
-    nesting, NaN, wrong types), so the rank is diagnosed from its exit, never with a traceback."""
-    try:
-        data = load_json(path, limit=_MAX_RECORD_BYTES, what="rank record", max_depth=8)
-    except JsonInputError as exc:
-        if exc.strerror and not path.exists():
-            return None
-        return {"unreadable": str(exc)}
-    if not isinstance(data, dict):
-        return {"unreadable": f"rank record {path} is not an object"}
-    out: dict[str, Any] = {}
-    for key in (
-        "exc_type",
-        "exc_message",
-        "traceback",
-        "kind_hint",
-        "last_collective",
-        "peak_process",
-        "status",
-        "device",
-        "platform",
-    ):
-        value = data.get(key)
-        out[key] = value[:_MAX_TEXT].replace("\0", " ") if isinstance(value, str) else None
-    for key in ("collective_seq", "peak_host_bytes", "peak_device_bytes", "idle_host_bytes"):
-        value = data.get(key)
-        out[key] = value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
-    for key in ("time", "ready_at"):
-        when = data.get(key)
-        out[key] = float(when) if isinstance(when, int | float) and not isinstance(when, bool) else None
-    shim = data.get("cpu_substitutions")
-    out["cpu_substitutions"] = (
-        {
-            str(call)[:256]: n
-            for call, n in list(shim.items())[:64]
-            if isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**53
-        }
-        if isinstance(shim, dict)
-        else {}
-    )
-    in_function = data.get("in_function", True)
-    out["in_function"] = in_function if isinstance(in_function, bool) else True
-    return out
-
-
 @dataclass
 class _RankProcess:
     """One spawned rank as the parent sees it while it runs."""
@@ -396,43 +348,19 @@ class _RankProcess:
         rec.log_path = str(run_dir / f"rank{self.rank}.log")
         rec.peak_host_bytes = self.sampled_peak
         rec.peak_process = self.peak_process
-        data = _read_record(run_dir / f"rank{self.rank}.json")
-        if rc == 0 and (data is None or "unreadable" in data):
+        written = rank_record.read(run_dir / rank_record.record_name(self.rank))
+        if rc == 0 and not isinstance(written, rank_record.WrittenRecord):
             # Exited with status 0 but never got to write its record: it did not return.
             rec.status = "failed"
-        if data is not None and "unreadable" in data:
+        if isinstance(written, rank_record.Unreadable):
             rec.status = "failed" if rec.status == "ok" else rec.status
-            rec.extra["record"] = data["unreadable"]
-        elif data is not None:
-            for key in ("exc_type", "exc_message", "traceback", "kind_hint", "last_collective"):
-                setattr(rec, key, data[key])
-            rec.collective_seq = data["collective_seq"] or 0
-            rec.time = data["time"] if data["time"] is not None else rec.time
-            rec.peak_host_bytes = max(data["peak_host_bytes"] or 0, rec.peak_host_bytes or 0) or None
-            rec.peak_process = data["peak_process"] or rec.peak_process
-            rec.peak_device_bytes = data["peak_device_bytes"]
-            for key in ("device", "platform"):  # the rank's own device and the platform it named
-                rec.extra[key] = data[key]
-            rec.extra["in_function"] = data["in_function"]
-            rec.extra["idle_host_bytes"] = data["idle_host_bytes"]
-            rec.extra["ready_at"] = data["ready_at"]
-            rec.extra["cpu_substitutions"] = data["cpu_substitutions"]
-            if data["status"] == "failed" and rec.status in ("ok", "torn_down", "hung"):
-                rec.status = "failed"
+            rec.unreadable = written.why
+        elif written is not None:
+            rec.take(written)
         else:
-            with contextlib.suppress(OSError, ValueError):
-                with open(run_dir / f"rank{self.rank}.state", "rb") as f:
-                    state = json.loads(f.read(4096).decode(errors="replace").strip() or "{}")
-                if isinstance(state, dict):
-                    last, seq = state.get("last_collective"), state.get("seq")
-                    rec.last_collective = last if isinstance(last, str) else None
-                    rec.collective_seq = seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
-                    ready = state.get("ready_at")
-                    rec.extra["ready_at"] = (
-                        ready if isinstance(ready, int | float) and not isinstance(ready, bool) else None
-                    )
+            self._take_state(run_dir, rec)
         with contextlib.suppress(OSError), open(run_dir / f"rank{self.rank}.stacks", "rb") as f:
-            rec.stack = f.read(_MAX_TEXT).decode(errors="replace").strip() or None
+            rec.stack = f.read(rank_record.MAX_TEXT).decode(errors="replace").strip() or None
         # A rank killed without a record (NCCL's watchdog aborts with SIGABRT) is diagnosed
         # from what it printed last; the message shows every rank's last lines on failure.
         rec.log_tail = "\n".join(self.log.tail_text().splitlines()[-_LOG_TAIL_LINES:])
@@ -441,6 +369,20 @@ class _RankProcess:
             # Killed for the runner's memory by the launcher or by `ci repro`'s watcher, who said so first.
             rec.exc_type, rec.exc_message, rec.kind_hint = _RUNNER_OOM, killed, "oom"
         return rec
+
+    def _take_state(self, run_dir: Path, rec: RankRecord) -> None:
+        """Without a record, where the rank was from its state line: its last collective, when it was set up."""
+        with contextlib.suppress(OSError, ValueError):
+            with open(run_dir / f"rank{self.rank}.state", "rb") as f:
+                state = json.loads(f.read(4096).decode(errors="replace").strip() or "{}")
+            if isinstance(state, dict):
+                last, seq = state.get("last_collective"), state.get("seq")
+                rec.last_collective = last if isinstance(last, str) else None
+                rec.collective_seq = seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
+                ready = state.get("ready_at")
+                rec.ready_at = (
+                    ready if isinstance(ready, int | float) and not isinstance(ready, bool) else None
+                )
 
 
 class _Launch:
@@ -464,13 +406,31 @@ class _Launch:
         # Read first: a malformed value is refused before anything is made.
         self.host_limit = runner_limit.host_memory_limit()
         context = attribution.current()
+        self.fn, self.world_size, self.timeout = fn, world_size, timeout
+        self._settle(context, backend, budget, stall_window)
+        self._join_ledgers()
+        self._make_folder(context, payload, env)
+        self._watch_cgroup()
+        self._start_bookkeeping(context)
+        self.started = time.time()
+
+    def _settle(
+        self,
+        context: attribution.TestContext | None,
+        backend: str,
+        budget: MemoryBudget | None,
+        stall_window: float | str | None,
+    ) -> None:
+        """The test this launch runs for, its budget (refused below a known idle footprint), its
+        stall window and its backend."""
         self.in_test = attribution.current_test_id() is not None
-        self.test_id = attribution.current_test_id() or f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
+        self.test_id = (
+            attribution.current_test_id() or f"{getattr(self.fn, '__module__', '?')}.{self.fn.__qualname__}"
+        )
         if budget is None and context is not None:
             budget = context.budget
         self.budget = budget or MemoryBudget()
         IDLE_FOOTPRINT.refuse_below(self.budget)
-        self.world_size, self.timeout = world_size, timeout
         # The stall window: the argument, else the test's stall_window marker, else KIT_STALL_WINDOW.
         if stall_window == "default":
             stall_window = (
@@ -481,15 +441,23 @@ class _Launch:
         self.stall_window = stall.check_window(stall_window)
         # Marked `gpu` or not (None outside a test): only `gpu` tests get NCCL and see the GPUs.
         self.gpu_test = context.gpu if context is not None else None
-        self.backend = choose_backend(backend, world_size, self.gpu_test)
+        self.backend = choose_backend(backend, self.world_size, self.gpu_test)
+
+    def _join_ledgers(self) -> None:
+        """The session's ledger and, for a top-level session, the machine's (one per user and boot);
+        a launch that could never fit is refused before anything is made: it could only wait forever."""
         self.ledger = admission.session_ledger()
-        # A top-level session's launches also go through the machine's ledger (one per user and boot).
         self.machine = machine_ledger.launch_ledger() if self.ledger is not None else None
-        if self.ledger is not None:  # refused before anything is made: it could only wait forever
-            self.ledger.refuse_never_fits(self.admission_share(), world_size, self.test_id)
+        if self.ledger is not None:
+            self.ledger.refuse_never_fits(self.admission_share(), self.world_size, self.test_id)
+
+    def _make_folder(
+        self, context: attribution.TestContext | None, payload: bytes, env: dict[str, str] | None
+    ) -> None:
+        """The launch's folder with the pickled payload, where its logs are shown, the ranks' environment."""
         # The process group times out before the launch does, so NCCL's watchdog writes its flight
         # recorder while the launcher still waits; gloo gets the same margin.
-        self.pg_timeout = max(5.0, min(timeout * 0.8, timeout - 10.0))
+        self.pg_timeout = max(5.0, min(self.timeout * 0.8, self.timeout - 10.0))
         self.seed = attribution.seed_for(self.test_id)
         log_root = context.log_root if context else attribution.log_root()
         self.run_dir, self.keep = _run_dir(self.test_id, log_root)
@@ -502,13 +470,15 @@ class _Launch:
         )
         (self.run_dir / "payload.pkl").write_bytes(payload)
         self.spec_path = self.run_dir / "spec.json"
-        self.fn = fn
         # NCCL: flight recorder on, dumps and dump-request pipes in the launch's directory.
         self.env = flight_recorder.nccl_env(self.run_dir) if self.backend == "nccl" else {}
         self.env.update(devices.rank_device_env(self.backend, gpu_test=self.gpu_test))
         # megatron's groups take this timeout (fixtures.megatron.init_model_parallel), not 30 minutes.
         self.env[flight_recorder.PG_TIMEOUT_ENV] = str(self.pg_timeout)
         self.env.update(env or {})
+
+    def _watch_cgroup(self) -> None:
+        """The memory cgroup whose OOM kills name ranks as ``oom``, and its counters before the launch."""
         self.rss_before: dict[int, int] = {}
         # Without a ranks' cgroup, the ranks share this process's own memory cgroup (a container's,
         # a CI job's): a kernel OOM kill there is read from its oom_kill counter alone.
@@ -519,6 +489,9 @@ class _Launch:
             "the launcher's own memory cgroup" if self.own_cgroup else "the ranks' memory cgroup"
         )
         self.oom_before = self._oom_counters()
+
+    def _start_bookkeeping(self, context: attribution.TestContext | None) -> None:
+        """What the launch keeps while it runs: its ranks and their helpers, tickets, positions."""
         self.ranks: list[_RankProcess] = []
         self.helpers: dict[int, psutil.Process] = {}
         self.ticket: admission.Ticket | None = None
@@ -538,7 +511,6 @@ class _Launch:
         self.start_reason: str | None = None
         self.children_before: set[int] = set()
         self.process_group = True  # the ranks' default group is the kit's (False: fn makes its own)
-        self.started = time.time()
         # When the wait for admission began, and how long it took (the heartbeat states it).
         self.admit_started: float | None = None
         self.admitted_after: float | None = None
@@ -680,7 +652,7 @@ class _Launch:
         while True:
             now = time.monotonic()
             for r in self.running():
-                record = self.run_dir / f"rank{r.rank}.json"
+                record = self.run_dir / rank_record.record_name(r.rank)
                 if r.poll(sample_rss=self.host_limit is not None, record=record) and first_failure is None:
                     first_failure = now
                 if r.status != "running" and detector is not None:
@@ -925,7 +897,7 @@ class _Launch:
             stacks = []
             for r in running:
                 with contextlib.suppress(OSError), open(self.run_dir / f"rank{r.rank}.stacks", "rb") as f:
-                    text = f.read(_MAX_TEXT).decode(errors="replace").strip()
+                    text = f.read(rank_record.MAX_TEXT).decode(errors="replace").strip()
                     stacks.append(f"rank {r.rank}:\n{text}")
             if stacks and hasattr(exc, "add_note"):
                 exc.add_note(
@@ -934,38 +906,28 @@ class _Launch:
                 )
 
     def diagnose(self, records: list[RankRecord], hung: bool) -> RankFailure | None:
-        """The launch's verdict: None when every rank returned, else the `RankFailure` to raise."""
-        root = root_cause(records)
-        if root is None and not hung:
-            return None
-        assert root is not None
-        if self.stall_verdict is not None and root.status == "hung":
-            # Deadlocked: the rank the others wait for, as the stall rule named it.
-            root = records[self.stall_verdict.rank]
-            root.kind = "hang"
-            root.extra["stall"] = self.stall_verdict
-        _refuse_if_failed_at_startup(root, self.budget)
-        message = format_failure(
-            root, records, timeout=self.timeout, log_dir=self.shown_logs, started=self.started
+        """The launch's verdict (`diagnosis.judge`): None when every rank returned, else the
+        `RankFailure` to raise; `BudgetBelowFootprint` for a rank's startup over the host budget."""
+        return judge(
+            records,
+            Evidence(
+                hung=hung,
+                stall=self.stall_verdict,
+                host_budget=self.budget.host_bytes,
+                timeout=self.timeout,
+                started=self.started,
+                shown_logs=self.shown_logs,
+                log_dir=str(self.run_dir),
+                dumps=self.run_dir / flight_recorder.DUMP_STEM,
+                # Same test id, same seeds: this replays the launch as it ran.
+                repro=(
+                    f"KIT_SEED={self.seed} python -m pytest '{self.test_id}' "
+                    f"(world_size={self.world_size}, backend={self.backend})"
+                    if self.in_test
+                    else None
+                ),
+            ),
         )
-        # NCCL dumps on a watchdog timeout and on the launcher's request (`stop`); any rank may
-        # also have dumped on its own (gloo records too): what the dumps say joins the message.
-        message += "".join(f"\nflight recorder: {line}" for line in self.flight_recorder_findings())
-        if self.in_test:
-            # Same test id, same seeds: this replays the launch as it ran.
-            message += (
-                f"\nrepro: KIT_SEED={self.seed} python -m pytest '{self.test_id}' "
-                f"(world_size={self.world_size}, backend={self.backend})"
-            )
-        return RankFailure(
-            message, rank=root.rank, kind=root.kind or "error", records=records, log_dir=str(self.run_dir)
-        )
-
-    def flight_recorder_findings(self) -> list[str]:
-        """What the ranks' flight-recorder dumps say (which rank is behind, in which collective)."""
-        stem = self.run_dir / flight_recorder.DUMP_STEM
-        traces = flight_recorder.read_dumps(stem, range(self.world_size))
-        return flight_recorder.diagnose(traces, self.world_size) if traces else []
 
     def results(self, records: list[RankRecord]) -> list[Any] | RankFailure:
         """Every rank's return value, in rank order; a `RankFailure` naming a rank that left none."""
@@ -1036,18 +998,18 @@ class _Launch:
 
     def setup_s(self, records: list[RankRecord]) -> float | None:
         """Seconds from spawn until the last rank's process group was up (None if one never got there)."""
-        ready = [r.extra.get("ready_at") for r in records]
+        ready = [r.ready_at for r in records]
         if not records or not all(isinstance(t, (int, float)) for t in ready):
             return None
         return round(max(ready) - self.spawned_at, 3)
 
     def report(self, records: list[RankRecord], failure: BaseException | None, leaked: int) -> None:
         """Attribute the launch to the running test and keep or remove its directory."""
-        IDLE_FOOTPRINT.note([r.extra["idle_host_bytes"] for r in records if r.extra.get("idle_host_bytes")])
+        IDLE_FOOTPRINT.note([r.idle_host_bytes for r in records if r.idle_host_bytes])
         from megatron_testkit.megatron_cpu import add_substitutions
 
         for r in records:  # the CPU layer's substitutions in the ranks count as this process' own
-            add_substitutions(r.extra.get("cpu_substitutions") or {})
+            add_substitutions(r.cpu_substitutions)
         attribution.record_run(
             Run(
                 world_size=self.world_size,
@@ -1061,8 +1023,8 @@ class _Launch:
                 ranks=[r.peak() for r in records],
                 failure=failure.to_failure() if isinstance(failure, RankFailure) else None,
                 leaked_processes=leaked,
-                device=next((r.extra["device"] for r in records if r.extra.get("device")), None),
-                platform=next((r.extra["platform"] for r in records if r.extra.get("platform")), None),
+                device=next((r.device for r in records if r.device), None),
+                platform=next((r.platform for r in records if r.platform), None),
                 queued_s=self.queued_s(),
                 admitted_bytes=self.ticket.bytes if self.ticket is not None else None,
                 setup_s=self.setup_s(records),
@@ -1084,16 +1046,6 @@ _USER_CODE = frozenset({"in user code", "computing", "idle in user code"})
 
 # How a rank killed for the runner's memory (not its own budget) is named in its record.
 _RUNNER_OOM = "megatron_testkit.RunnerMemoryExceeded"
-
-
-def _refuse_if_failed_at_startup(root: RankRecord, budget: MemoryBudget) -> None:
-    """A host budget crossed before the test's function started is the budget's fault, no rank's."""
-    if root.kind == "oom" and root.extra.get("in_function") is False and budget.host_bytes is not None:
-        raise BudgetBelowFootprint(
-            f"host memory budget {format_size(budget.host_bytes)} is below a rank's startup footprint: "
-            f"rank {root.rank} crossed it before the test's function started (Python, torch, the "
-            f"test's module, the process group): raise memory_budget(host=...). {root.summary()}"
-        )
 
 
 def run_ranks(
@@ -1150,9 +1102,16 @@ def run_ranks(
         stall_window=stall_window,
     )
     launch.process_group = process_group
+    return _run(launch, every)
+
+
+def _run(launch: _Launch, every: float | None) -> list[Any]:
+    """Admit, spawn and supervise the launch under its heartbeat, read what the ranks left, ask for
+    the verdict, clean up and report; the ranks' results, or the verdict raised."""
+    __tracebackhide__ = True
     failure: BaseException | None = None
     name = launch.test_id.rsplit("::", 1)[-1] if launch.in_test else launch.test_id
-    beat = heartbeat.Heartbeat(name, world_size, launch.progress, every, launch.queued_so_far).start()
+    beat = heartbeat.Heartbeat(name, launch.world_size, launch.progress, every, launch.queued_so_far).start()
     try:
         launch.start()
         try:

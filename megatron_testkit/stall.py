@@ -1,7 +1,7 @@
 """Deadlocks named within a stall window, whatever the launch's timeout.
 
 A launch is deadlocked when every live rank is blocked and none can progress. Blocked means one
-of (issue #34's rule, nothing looser):
+of (nothing looser: a rank that might still progress is never called blocked):
 
 - inside a torch.distributed collective or barrier (the launcher's `CollectiveCounter` notes entry
   and exit, and ``Work.wait`` of an async one) with no CPU progress over the window: neither a
@@ -52,8 +52,9 @@ __all__ = [
 ]
 
 WINDOW_ENV = "KIT_STALL_WINDOW"  # seconds, or "off"
-# At most 30 s (the issue's bound): long enough that a loaded 2-core runner's slowest collective
-# (a gloo all-gather of a few MiB) returns well within it, short against any launch timeout.
+# At most 30 s, so a deadlock is named within half a minute whatever the launch's timeout: long
+# enough that a loaded 2-core runner's slowest collective (a gloo all-gather of a few MiB) returns
+# well within it, short against any launch timeout.
 DEFAULT_WINDOW_S = 30.0
 # CPU a blocked rank may still use over the window (its gloo threads polling sockets, the
 # interpreter's periodic work): at most MIN_CPU_S plus CPU_SHARE of the window. A rank that moves

@@ -116,7 +116,7 @@ def _run_and_gather(
     import torch.distributed as dist
 
     from megatron_testkit.budgets import MemoryBudgetExceeded
-    from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure, root_cause
+    from megatron_testkit.diagnosis import RankRecord, judge
 
     in_use = backend if created else dist.get_backend() if dist.is_initialized() else backend
     measured = _PeakSinceCall(in_use)
@@ -142,15 +142,9 @@ def _run_and_gather(
         value if status == "failed" else RankRecord(rank=r, status="ok")
         for r, (status, value) in enumerate(outcomes)
     ]
-    root = root_cause(records)
-    assert root is not None
-    raise RankFailure(
-        format_failure(root, records),
-        rank=root.rank,
-        kind=root.kind or "error",
-        records=records,
-        log_dir=None,
-    )
+    failure = judge(records)
+    assert failure is not None
+    raise failure
 
 
 def _gather(watch: Any, outcome: tuple[str, Any], rank: int, world_size: int, bound: float) -> list[Any]:
@@ -195,7 +189,7 @@ def _verdict_failure(
 ) -> Any:
     """The stall rule's verdict as the call's RankFailure: the rank it names, the cycle, each rank's
     wait; the blocked ranks' stacks as they posted them."""
-    from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure
+    from megatron_testkit.diagnosis import RankFailure, RankRecord, Verdict, format_failure
     from megatron_testkit.stall import Stall
 
     records = _ranks_records(
@@ -206,14 +200,14 @@ def _verdict_failure(
     root = records[int(verdict["rank"])]
     if root.status != "failed":
         root.kind = "hang"
-    root.extra["stall"] = Stall(
+    stall = Stall(
         int(verdict["rank"]),
         str(verdict["why"]),
         tuple(verdict.get("lines", ())),
         tuple(verdict.get("waits", ())),
         tuple(verdict.get("cycle", ())),
     )
-    message = format_failure(root, records)
+    message = format_failure(Verdict(root, records, stall=stall))
     if root.kind != "hang":  # format_failure leads with the verdict only for a hang
         first, _, rest = message.partition("\n")
         message = f"{first}\n{verdict['why']}\n{rest}"
@@ -226,7 +220,7 @@ def _verdict_failure(
 
 def _missing_failure(arrived: dict[int, Any], world_size: int, bound: float) -> Any:
     """The peers that did not finish the call within ``bound`` of this rank, named as hung."""
-    from megatron_testkit.diagnosis import RankFailure, RankRecord, format_failure
+    from megatron_testkit.diagnosis import RankFailure, RankRecord, Verdict, format_failure
 
     missing = [r for r in range(world_size) if r not in arrived]
     records = _ranks_records(arrived, world_size, lambda r: RankRecord(rank=r, status="hung", kind="hang"))
@@ -236,7 +230,7 @@ def _missing_failure(arrived: dict[int, Any], world_size: int, bound: float) -> 
     message = (
         f"rank {missing[0]} hang: rank(s) {names} did not finish the call within {bound:g} s of this "
         f"rank's finishing it (still in the function: computing, or blocked where the stall rule could "
-        f"not judge it)\n\n" + format_failure(root, records)
+        f"not judge it)\n\n" + format_failure(Verdict(root, records))
     )
     return RankFailure(message, rank=missing[0], kind="hang", records=records, log_dir=None)
 
@@ -300,20 +294,16 @@ class _PeakSinceCall:
 
     def check(self) -> None:
         """`MemoryBudgetExceeded` when a peak since the call broke the test's budget."""
-        from megatron_testkit.budgets import MemoryBudgetExceeded, format_size
+        from megatron_testkit.budgets import check_peaks
 
-        host, device = self.host(), self.device()
-        if self.budget_host and host is not None and host > self.budget_host:
-            raise MemoryBudgetExceeded(
-                f"host memory budget exceeded: peak RSS {format_size(host, self.budget_host)} since the "
-                f"call > budget {format_size(self.budget_host, host)} (torchrun: checked after the call)"
-            )
-        if self.budget_device and device is not None and device > self.budget_device:
-            raise MemoryBudgetExceeded(
-                f"device memory budget exceeded: peak allocated {format_size(device, self.budget_device)} "
-                f"since the call > budget {format_size(self.budget_device, device)} (torchrun: checked "
-                "after the call)"
-            )
+        check_peaks(
+            self.host(),
+            self.device(),
+            self.budget_host,
+            self.budget_device,
+            since=" since the call",
+            note=" (torchrun: checked after the call)",
+        )
 
 
 def _failed_record(rank: int, exc: BaseException) -> Any:

@@ -171,3 +171,18 @@ def test_device_cap_is_the_smaller_of_budget_and_emulated_card(monkeypatch, budg
     else:
         monkeypatch.setenv("KIT_DEVICE_MEMORY", card)
     assert device_cap(budget) == expected
+
+
+def test_a_peak_over_its_budget_is_named_in_one_message_for_every_checker() -> None:
+    from megatron_testkit.budgets import MemoryBudgetExceeded, check_peaks
+
+    check_peaks(100, None, 100, 50)  # at the budget, and a device never used: within
+    check_peaks(None, 10, 1, None)  # an unknown host peak, an unlimited device: within
+    with pytest.raises(MemoryBudgetExceeded) as host:
+        check_peaks(3 << 20, 9 << 20, 2 << 20, 1 << 20)  # both over: the host is named first
+    assert str(host.value) == "host memory budget exceeded: peak RSS 3.00 MiB > budget 2.00 MiB"
+    with pytest.raises(MemoryBudgetExceeded) as device:
+        check_peaks(1, 3 << 20, 2 << 20, 2 << 20, since=" since the call", note=" (torchrun)")
+    assert str(device.value) == (
+        "device memory budget exceeded: peak allocated 3.00 MiB since the call > budget 2.00 MiB (torchrun)"
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_testkit.diagnosis import RankRecord, format_failure, root_cause, signal_name
+from megatron_testkit.diagnosis import Evidence, RankRecord, judge, root_cause, signal_name
 
 pytestmark = pytest.mark.L0
 
@@ -76,7 +76,7 @@ def test_a_collective_timeout_blames_the_rank_that_entered_the_fewest_collective
     behind = RankRecord(rank=1, status="torn_down", collective_seq=4, last_collective="broadcast #4")
     root = root_cause([waiting, behind])
     assert (root.rank, root.kind) == (1, "hang")
-    message = format_failure(root, [waiting, behind], timeout=60)
+    message = str(judge([waiting, behind], Evidence(timeout=60)))
     assert message.splitlines()[0] == (
         "rank 1 hang: a collective timed out on rank 0; rank 1 entered the fewest collectives "
         "(4, last broadcast #4); stacks of every rank below"
@@ -90,7 +90,7 @@ def test_a_timeout_with_no_failure_names_the_laggard_and_shows_every_stack() -> 
     ]
     root = root_cause(records)
     assert (root.rank, root.kind) == (1, "hang")
-    message = format_failure(root, records, timeout=30)
+    message = str(judge(records, Evidence(timeout=30)))
     assert message.startswith("rank 1 hang: no rank finished within 30 s")
     assert "stuck_here" in message and "wait_here" in message
 
@@ -107,7 +107,7 @@ def test_the_message_leads_with_the_root_cause_and_then_shows_the_others() -> No
     root.log_tail, other.log_tail = "allocating", "waiting"
     records = [other, root]
     assert root_cause(records) is root
-    lines = format_failure(root, records, log_dir="/logs/x", started=0.0).splitlines()
+    lines = str(judge(records, Evidence(shown_logs="/logs/x", started=0.0))).splitlines()
     assert lines[0] == "rank 1 oom: torch.OutOfMemoryError: CUDA out of memory"
     assert lines[2] == "Root cause: rank 1 (oom) at +2.00 s"
     text = "\n".join(lines)
