@@ -374,7 +374,7 @@ def test_a_budget_below_the_rank_startup_footprint_is_the_budget_not_a_rank_oom(
     failure = _failure(scenarios, "test_budget_below_the_startup_footprint")
     assert failure["rank"] is None and failure["kind"] is None  # no rank is blamed
     assert failure["first_line"].startswith(
-        "megatron_testkit.diagnosis.BudgetBelowFootprint: host memory budget 48.00 MiB"
+        "megatron_testkit.ranks.BudgetBelowFootprint: host memory budget 48.00 MiB"
     )
     assert "below a rank's startup footprint" in failure["first_line"]
 

@@ -82,6 +82,11 @@ class BudgetBelowFootprint(ValueError):
     """A host budget smaller than a rank's startup or idle footprint: no test function can run within it."""
 
 
+# Users import it from the launcher (`megatron_testkit.ranks`, its documented home), and the first
+# line of a failed test names it there: shown and pickled under that name, which resolves to this class.
+BudgetBelowFootprint.__module__ = "megatron_testkit.ranks"
+
+
 class RankFailure(Exception):
     """A launch failed. ``rank`` is the root cause, ``kind`` one of oom, error, crash, hang.
 
