@@ -538,11 +538,11 @@ def _register_skip_policy(config: pytest.Config) -> None:
 def _check_kit_environment() -> None:
     """Parse every ``KIT_*`` variable the kit reads, now: a bad value is a one-line usage error
     naming it, not an abort at import nor a failure blamed on the first test or rank."""
-    from megatron_testkit import devices, golden, rank_log, ranks, runner_limit, warm_start
+    from megatron_testkit import devices, platforms, rank_log, ranks, runner_limit, warm_start
 
     checks = (
         ranks.default_timeout,
-        golden.platform_override,
+        platforms.platform_override,
         rank_log.log_cap,
         runner_limit.host_memory_limit,
         lambda: devices.device_memory_cap(None),

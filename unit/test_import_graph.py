@@ -112,6 +112,31 @@ def test_the_kit_and_the_ci_tooling_have_no_import_cycle(package: str, edge: tup
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
 
 
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through the modules it imports."""
+    seen: set[str] = set()
+    stack = [start]
+    while stack:
+        module = stack.pop()
+        if module not in seen:
+            seen.add(module)
+            stack.extend(graph.get(module, ()))
+    return seen - {start}
+
+
+@pytest.mark.parametrize("launcher", ["ranks", "rank_worker", "torchrun"])
+def test_the_launcher_never_imports_a_golden_module(launcher: str) -> None:
+    """One way only: the launcher -> platform names <- golden. A rank names its platform through
+    `megatron_testkit.platforms`; nothing the launcher loads, at any depth, is a golden module."""
+    root = Path(__file__).resolve().parent.parent / "megatron_testkit"
+    graph = import_graph(root, "megatron_testkit")
+    reached = _reachable(graph, f"megatron_testkit.{launcher}")
+    assert "megatron_testkit.platforms" in graph["megatron_testkit.golden"]  # the graph really was read
+    assert "megatron_testkit.platforms" in reached or launcher == "ranks"
+    golden = sorted(m for m in reached if m.rpartition(".")[2].startswith("golden"))
+    assert golden == [], f"megatron_testkit.{launcher} reaches {golden}"
+
+
 def _top_level_imports(root: Path) -> dict[str, set[str]]:
     """File -> the top-level packages its import statements name (absolute imports only)."""
     found: dict[str, set[str]] = {}
