@@ -90,8 +90,7 @@ def _register_skip_policy(config: pytest.Config) -> None:
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.stash[_ALLOWED_SKIPS] = allowed
-    summary = allowed is not None or bool(config.getini("kit_skip_summary"))
-    config.pluginmanager.register(skips.SkipPolicy(allowed, summary=summary), "kit-skip-policy")
+    config.pluginmanager.register(skips.SkipPolicy(allowed, summary=skip_summary(config)), "kit-skip-policy")
 
 
 def allowed_skips(config: pytest.Config) -> list[str] | None:

@@ -28,8 +28,6 @@ What they do for every test:
   stack: the ranks and their helpers are killed, the test is recorded as ``interrupted`` with the
   session's exit status (one stopped while its fixtures launched ranks as well), and the report and
   junit are written;
-- `launch_plugin`: warm starts' preloads, the heartbeat's terminal, per-test ranks or the CPU layer
-  for the whole session (the `use_cpu_shim` fixture);
 - `session_plugin`: keeps one memory-admission ledger for the whole session
   (`megatron_testkit.admission`), made by the controller (in the session's log folder under
   ``--kit-report``, else a temporary folder) and named to the xdist workers and nested sessions in
@@ -37,6 +35,8 @@ What they do for every test:
   runner's); keeps rank logs under ``--kit-report DIR`` in a folder of this session's
   (`report_dir`); builds the session table and the ``--kit-report DIR`` files
   (`megatron_testkit.report`);
+- `launch_plugin`: warm starts' preloads, the heartbeat's terminal, per-test ranks or the CPU layer
+  for the whole session (the `use_cpu_shim` fixture);
 - `golden_plugin`: the ``kit_metrics`` fixture and golden values, registered at configuration as
   ``kit-golden``.
 
