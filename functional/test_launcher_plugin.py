@@ -302,9 +302,37 @@ def test_plugin_import_stays_light() -> None:
     import subprocess
     import sys
 
-    code = "import sys, megatron_testkit.plugin; print(sorted(m for m in ('torch', 'megatron', 'datasets') if m in sys.modules))"
+    # The entry module and every plugin module it registers (pytest imports them on registration).
+    code = (
+        "import importlib, sys, megatron_testkit.plugin as p; [importlib.import_module(m) for m in p.pytest_plugins]; "
+        "print(len(p.pytest_plugins), sorted(m for m in ('torch', 'megatron', 'datasets') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    count, _, heavy = out.strip().partition(" ")
+    assert int(count) >= 7 and heavy == "[]"
+
+
+def test_no_entry_point_no_kit(tmp_path: Path) -> None:
+    """``-p no:megatron_testkit.plugin`` turns every one of the kit's plugin modules off: none of
+    their options, ini keys or markers is registered (each module registers some)."""
+    import subprocess
+    import sys
+
+    def help_text(*extra: str) -> str:
+        out = ""
+        for asked in ("--help", "--markers"):
+            args = [sys.executable, "-m", "pytest", asked, "-p", "no:cacheprovider", *extra]
+            done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stdout + done.stderr
+            out += done.stdout
+        return out
+
+    # One name of each module that registers one: session, launch, leak guard, markers.
+    names = ("--kit-report", "kit_warm_preload", "kit_leak_guard", "kit_require_tier", "memory_budget(")
+    with_kit = help_text()
+    assert [n for n in names if n not in with_kit] == []
+    without = help_text("-p", "no:megatron_testkit.plugin")
+    assert [n for n in names if n in without] == []
 
 
 TIERED = """

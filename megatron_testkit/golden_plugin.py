@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
-from megatron_testkit import attribution, golden, metrics
+from megatron_testkit import attribution, golden, metrics, platforms
 from megatron_testkit.metrics import MetricsRecorder, TestMetrics
 from megatron_testkit.safe_write import WriteRefused
 
-PLATFORM_ENV = golden.PLATFORM_ENV  # overrides the platform key (a runner the kit cannot name)
+PLATFORM_ENV = platforms.PLATFORM_ENV  # overrides the platform key (a runner the kit cannot name)
 _RECORDER = pytest.StashKey[MetricsRecorder]()
 _METRICS = pytest.StashKey[TestMetrics]()
 
@@ -116,14 +116,14 @@ def check(
     _, name = golden.golden_stem(nodeid)
     try:
         source = PLATFORM_ENV if os.environ.get(PLATFORM_ENV) else "platform"
-        golden.check_platform(found.platform, source)
+        platforms.check_platform(found.platform, source)
         paths = golden.golden_paths(Path(test_file), name, found.platform, found.megatron_core)
         path = golden.find_golden(paths)
         if path is None:
             _missing(nodeid, paths[-1], found, report_dir)
             return
         want = golden.read_golden(path)
-    except (golden.GoldenFileError, WriteRefused) as exc:
+    except (golden.GoldenFileError, platforms.PlatformKeyError, WriteRefused) as exc:
         pytest.fail(f"golden values: {exc}", pytrace=False)
     rows = golden.compare(want, found, platform=found.platform)
     if rows:
@@ -192,11 +192,11 @@ def _platform(item: pytest.Item | None = None) -> str:
     their own device, `torch.cuda.get_device_name()` in the rank), the fixtures' launches included:
     a module-scoped fixture's NCCL launch makes its tests ``<gpu>-nccl`` too.
     """
-    override = golden.platform_override()
+    override = platforms.platform_override()
     if override:
         return override
     runs = _launches_behind(item) if item is not None else []
-    return golden.platform_of_runs(runs, unnamed_gpu=_gpu_name)
+    return platforms.platform_of_runs(runs, unnamed_gpu=_gpu_name)
 
 
 def _gpu_name() -> str | None:

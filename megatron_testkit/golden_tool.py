@@ -17,6 +17,7 @@ from pathlib import Path
 from accounting.json_input import printable
 from megatron_testkit import golden
 from megatron_testkit.metrics import Comparison, Number, TestMetrics
+from megatron_testkit.platforms import PlatformKeyError, check_platform
 from megatron_testkit.safe_write import WriteRefused
 from megatron_testkit.schema import Report, ReportError, TestEntry, read_report
 
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace, prog: str = "golden") -> int:
         if args.golden_command == "update":
             return update(load_report(args.report), Path(args.root), dry_run=args.dry_run)
         return diff(load_report(args.a), load_report(args.b))
-    except (UsageError, golden.GoldenFileError, WriteRefused) as exc:
+    except (UsageError, golden.GoldenFileError, PlatformKeyError, WriteRefused) as exc:
         print(f"{prog}: error: {printable(str(exc), 600)}", file=sys.stderr)
         return 2
 
@@ -91,7 +92,7 @@ def _check_target(entry: TestEntry) -> None:
     try:
         module, _ = golden.golden_stem(entry.nodeid)
         golden.check_test_module(module)
-        golden.check_platform(entry.metrics.platform, "metrics.platform")
+        check_platform(entry.metrics.platform, "metrics.platform")
     except ValueError as exc:
         raise UsageError(f"refused {printable(entry.nodeid, 200)!r}: {exc}") from None
 

@@ -71,7 +71,7 @@ def _cpu_substitutions() -> dict[str, int]:
 
 def _device_and_platform(backend: str) -> dict[str, str | None]:
     """This rank's own device and the golden platform it names (read by the launcher into its `Run`)."""
-    from megatron_testkit.golden import launch_platform
+    from megatron_testkit.platforms import launch_platform
 
     device = devices.rank_device_name()
     return {"device": device, "platform": launch_platform(backend, device)}

@@ -325,7 +325,7 @@ def _record(world_size: int, backend: str, started: float, measured: _PeakSinceC
     call) are known here."""
     from megatron_testkit import attribution
     from megatron_testkit.devices import rank_device_name
-    from megatron_testkit.golden import launch_platform
+    from megatron_testkit.platforms import launch_platform
     from megatron_testkit.schema import RankPeak, Run
 
     test_id = attribution.current_test_id() or "torchrun"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.inner_session import run_inner_session
-from megatron_testkit import golden
+from megatron_testkit import golden, platforms
 from megatron_testkit.metrics import (
     EXACT,
     NOT_COMPARED,
@@ -128,10 +128,10 @@ def test_recorder_types_and_refuses_what_would_make_a_series_ambiguous() -> None
 
 
 def test_platform_keys_and_where_golden_files_live(tmp_path: Path) -> None:
-    assert golden.platform_key("gloo") == "cpu-gloo"
-    assert golden.platform_key("nccl", "NVIDIA H100 80GB HBM3") == "h100-nccl"
-    assert golden.platform_key("nccl", "NVIDIA GeForce RTX 4090") == "geforce-nccl"
-    assert golden.platform_key("nccl", None) == "gpu-nccl"
+    assert platforms.platform_key("gloo") == "cpu-gloo"
+    assert platforms.platform_key("nccl", "NVIDIA H100 80GB HBM3") == "h100-nccl"
+    assert platforms.platform_key("nccl", "NVIDIA GeForce RTX 4090") == "geforce-nccl"
+    assert platforms.platform_key("nccl", None) == "gpu-nccl"
     assert golden.mcore_minor("0.16.1") == "mcore0.16" and golden.mcore_minor(None) is None
     test_file = tmp_path / "functional" / "test_x.py"
     assert golden.golden_stem("functional/test_x.py::C::t[a-b]") == ("functional/test_x.py", "C.t[a-b]")

@@ -100,7 +100,7 @@ def test_accounting_has_no_import_cycle() -> None:
 @pytest.mark.parametrize(
     ("package", "edge"),
     [
-        ("megatron_testkit", ("megatron_testkit.plugin", "megatron_testkit.skips")),
+        ("megatron_testkit", ("megatron_testkit.markers_plugin", "megatron_testkit.skips")),
         ("megatron_testkit", ("megatron_testkit.repro", "megatron_testkit.repro_rows")),
         ("ci", ("ci.gpu_check.check", "ci.gpu_check.bench")),
     ],
@@ -110,6 +110,49 @@ def test_the_kit_and_the_ci_tooling_have_no_import_cycle(package: str, edge: tup
     graph = import_graph(root, package)
     assert edge[1] in graph[edge[0]]  # the graph really was read
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through the modules it imports."""
+    seen: set[str] = set()
+    stack = [start]
+    while stack:
+        module = stack.pop()
+        if module not in seen:
+            seen.add(module)
+            stack.extend(graph.get(module, ()))
+    return seen - {start}
+
+
+@pytest.mark.parametrize("launcher", ["ranks", "rank_worker", "torchrun"])
+def test_the_launcher_never_imports_a_golden_module(launcher: str) -> None:
+    """One way only: the launcher -> platform names <- golden. A rank names its platform through
+    `megatron_testkit.platforms`; nothing the launcher loads, at any depth, is a golden module."""
+    root = Path(__file__).resolve().parent.parent / "megatron_testkit"
+    graph = import_graph(root, "megatron_testkit")
+    reached = _reachable(graph, f"megatron_testkit.{launcher}")
+    assert "megatron_testkit.platforms" in graph["megatron_testkit.golden"]  # the graph really was read
+    assert "megatron_testkit.platforms" in reached or launcher == "ranks"
+    golden = sorted(m for m in reached if m.rpartition(".")[2].startswith("golden"))
+    assert golden == [], f"megatron_testkit.{launcher} reaches {golden}"
+
+
+def test_each_plugin_module_imports_only_the_plugin_modules_registered_before_it() -> None:
+    """The entry module registers the kit's plugin modules in the order of its `pytest_plugins`;
+    pytest rewrites a listed module's asserts only when it was not imported yet (else it warns), so
+    a plugin module may import only those listed before it. Every plugin module is registered."""
+    from megatron_testkit import plugin
+
+    root = Path(__file__).resolve().parent.parent / "megatron_testkit"
+    graph = import_graph(root, "megatron_testkit")
+    listed = list(plugin.pytest_plugins)
+    on_disk = {f"megatron_testkit.{p.stem}" for p in root.glob("*_plugin.py")}
+    # golden_plugin is registered at configuration, under its own name (kit-golden).
+    assert set(listed) == on_disk - {"megatron_testkit.golden_plugin"}
+    assert "megatron_testkit.leak_guard_plugin" in graph["megatron_testkit.attribution_plugin"]  # read
+    for index, module in enumerate(listed):
+        later = sorted(graph[module] & set(listed[index + 1 :]))
+        assert later == [], f"{module} imports {later}, registered after it"
 
 
 def _top_level_imports(root: Path) -> dict[str, set[str]]:

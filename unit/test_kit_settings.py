@@ -40,10 +40,10 @@ def test_every_kit_variable_the_kit_reads_is_in_the_table() -> None:
 
 
 def test_every_ini_option_and_command_line_option_is_in_the_table() -> None:
-    # The plugin's own, and per-test ranks' (registered by the plugin through per_test.add_options).
-    plugin = "\n".join(
-        (REPO / "megatron_testkit" / name).read_text() for name in ("plugin.py", "per_test.py")
-    )
+    # The plugin modules' own, and per-test ranks' (registered by the launch plugin through
+    # per_test.add_options).
+    kit = REPO / "megatron_testkit"
+    plugin = "\n".join(p.read_text() for p in [*sorted(kit.glob("*plugin.py")), kit / "per_test.py"])
     ini = set(re.findall(r'addini\(\s*"(\w+)"', plugin))
     options = set(re.findall(r'addoption\(\s*"(--[\w-]+)"', plugin))
     assert ini and options

@@ -94,7 +94,7 @@ def device_keys(backend: str) -> dict[str, Any]:
     """This rank's own device and the keys the kit derives from it: golden platform, peak FLOP/s."""
     from accounting.throughput import lookup_peak
     from megatron_testkit.devices import rank_device_name
-    from megatron_testkit.golden import launch_platform
+    from megatron_testkit.platforms import launch_platform
 
     device = rank_device_name()
     peak, key_or_reason = lookup_peak(device) if device else (None, "no CUDA device in this rank")
