@@ -41,12 +41,14 @@ t = torch.ones(3, 5)
 dist.all_reduce(t)
 dist.broadcast(t, 0)
 dist.all_reduce(t, group=sub)
-# gloo marks a collective completed from its own thread, after the call returns: wait until every
-# group's last enqueued collective shows as completed, or the two dumps below can differ.
+# gloo marks a collective completed from its own thread, after the call returns: wait until both
+# groups' last enqueued collective shows as completed, or the two dumps below can differ (an empty
+# status is not "all completed": a loaded machine can dump before the groups report any).
 deadline = time.monotonic() + 60
 while True:
     status = pickle.loads(torch._C._distributed_c10d._dump_fr_trace()).get("pg_status", {})
-    if all(s["last_completed_collective"] == s["last_enqueued_collective"] for s in status.values()):
+    busy = [s for s in status.values() if s["last_enqueued_collective"] > 0]
+    if len(busy) >= 2 and all(s["last_completed_collective"] == s["last_enqueued_collective"] for s in busy):
         break
     assert time.monotonic() < deadline, status
     time.sleep(0.01)
