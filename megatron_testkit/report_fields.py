@@ -92,11 +92,17 @@ def bounds(
 SIZE = bounds(range=BYTES)
 
 
+# Reads one value: (value, where, strict) -> the value read, or `_WRONG` (lenient only).
+Reader = Callable[[Any, str, bool], Any]
+
+
 class _Field(NamedTuple):
     name: str
     kind: Any  # the type without its None
     meta: Mapping[str, Any]
     default: Callable[[], Any]
+    read: Reader
+    required: bool
 
 
 _WRONG = object()  # what a lenient read gives for a value of another type: the default stands in
@@ -114,15 +120,20 @@ def _strip_none(hint: Any) -> Any:
 def _zero(kind: Any, nullable: bool) -> Callable[[], Any]:
     """What a field without a default reads as when absent: None when it may be, else empty."""
     if nullable or dataclasses.is_dataclass(kind):
-        return lambda: None
+        return _none
     origin = typing.get_origin(kind) or kind
-    return {list: list, dict: dict, str: str, int: int, float: float, bool: bool}.get(origin, lambda: None)
+    return {list: list, dict: dict, str: str, int: int, float: float, bool: bool}.get(origin, _none)
+
+
+def _none() -> None:
+    return None
 
 
 @functools.cache
 def declared_fields(cls: type) -> tuple[_Field, ...]:
-    """The fields of `cls` with their types and bounds, once per class: `typing.get_type_hints` compiles every annotation on
-    each call (3 ms a row of 100,000 in a report that `merge-reports` reads, 5 minutes a report)."""
+    """The fields of `cls` with their types, bounds and readers, once per class:
+    `typing.get_type_hints` compiles every annotation on each call (3 ms a row of 100,000 in a
+    report that `merge-reports` reads, 5 minutes a report)."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -133,7 +144,8 @@ def declared_fields(cls: type) -> tuple[_Field, ...]:
             default = f.default_factory
         else:
             default = _zero(kind, kind is not hints[f.name])
-        out.append(_Field(f.name, kind, f.metadata, default))
+        read = reader(kind, f.metadata)
+        out.append(_Field(f.name, kind, f.metadata, default, read, bool(f.metadata.get("required"))))
     return tuple(out)
 
 
@@ -143,7 +155,7 @@ def _same(value: Any) -> Any:
 
 def required_fields(cls: type) -> tuple[str, ...]:
     """The fields of `cls` a row cannot do without."""
-    return tuple(f.name for f in declared_fields(cls) if f.meta.get("required"))
+    return tuple(f.name for f in declared_fields(cls) if f.required)
 
 
 def _refuse(strict: bool, message: str) -> Any:
@@ -159,70 +171,100 @@ def _is_int(value: Any) -> bool:
 def read_value(value: Any, kind: Any, where: str, meta: Mapping[str, Any], strict: bool) -> Any:
     """`value` read as type `kind` (None already stripped) within the bounds in `meta`; strict: a
     `SchemaError` naming `where` when it does not fit, lenient: `_WRONG` (the caller's default)."""
+    return reader(kind, meta)(value, where, strict)
+
+
+def reader(kind: Any, meta: Mapping[str, Any]) -> Reader:
+    """The reader of type `kind` within the bounds in `meta`, built once per field."""
     hook = meta.get("read")
     if hook is not None:
-        return hook(value, where)
-    origin = typing.get_origin(kind)
+        return lambda value, where, strict: hook(value, where)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is list:
-        return _read_list(value, typing.get_args(kind)[0], where, meta, strict)
+        return functools.partial(
+            _read_list, reader(args[0], meta), meta.get("items", MAX_COUNT), meta.get("keep")
+        )
     if origin is dict:
-        return _read_dict(value, typing.get_args(kind)[1], where, meta, strict)
+        keys = reader(str, {"choices": meta["keys"]} if "keys" in meta else {})
+        return functools.partial(_read_dict, keys, reader(args[1], meta), meta.get("items", MAX_COUNT))
     if origin is typing.Literal:
-        return read_value(value, str, where, {**meta, "choices": typing.get_args(kind)}, strict)
+        return reader(str, {**meta, "choices": args})
     if dataclasses.is_dataclass(kind):
-        return read_object(value, typing.cast(type, kind), where, strict)
+        return functools.partial(_read_object_at, kind)
     if kind is bool:
-        return value if isinstance(value, bool) else _refuse(strict, f"{where} is not true or false")
+        return _read_bool
     if kind is int:
-        low, high = meta.get("range", (-MAX_INT, MAX_INT))
-        if _is_int(value) and (not strict or low <= value <= high):
-            return value
-        return _refuse(strict, f"{where} is not an integer in [{low}, {high}]")
+        return functools.partial(_read_int, *meta.get("range", (-MAX_INT, MAX_INT)))
     if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if ok and (not strict or abs(value) <= MAX_FLOAT):
-            return value
-        return _refuse(strict, f"{where} is not a finite number")
+        return _read_float
     if kind is str:
-        return _read_text(value, where, meta, strict)
-    return value  # Any
+        return functools.partial(
+            _read_text,
+            meta.get("chars", MAX_TEXT_CHARS),
+            meta.get("choices"),
+            bool(meta.get("empty_is_none")),
+        )
+    return _read_any
 
 
-def _read_text(value: Any, where: str, meta: Mapping[str, Any], strict: bool) -> Any:
-    limit = meta.get("chars", MAX_TEXT_CHARS)
+def _read_any(value: Any, where: str, strict: bool) -> Any:
+    return value
+
+
+def _read_bool(value: Any, where: str, strict: bool) -> Any:
+    return value if isinstance(value, bool) else _refuse(strict, f"{where} is not true or false")
+
+
+def _read_int(low: int, high: int, value: Any, where: str, strict: bool) -> Any:
+    if _is_int(value) and (not strict or low <= value <= high):
+        return value
+    return _refuse(strict, f"{where} is not an integer in [{low}, {high}]")
+
+
+def _read_float(value: Any, where: str, strict: bool) -> Any:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (not strict or abs(value) <= MAX_FLOAT):
+        return value
+    return _refuse(strict, f"{where} is not a finite number")
+
+
+def _read_text(
+    limit: int, choices: tuple[str, ...] | None, empty_is_none: bool, value: Any, where: str, strict: bool
+) -> Any:
     if not isinstance(value, str) or (strict and len(value) > limit):
         return _refuse(strict, f"{where} is not text of at most {limit} characters")
-    choices = meta.get("choices")
     if strict and choices is not None and value not in choices:
         raise SchemaError(f"{where} is not one of {', '.join(choices)}")
-    return None if value == "" and meta.get("empty_is_none") else value
+    return None if empty_is_none and value == "" else value
 
 
-def _read_list(value: Any, item: Any, where: str, meta: Mapping[str, Any], strict: bool) -> Any:
-    limit = meta.get("items", MAX_COUNT)
+def _read_list(
+    item: Reader, limit: int, keep: Callable[[Any], bool] | None, value: Any, where: str, strict: bool
+) -> Any:
     if type(value) is not list or (strict and len(value) > limit):
         return _refuse(strict, f"{where} is not a list of at most {limit} entries")
-    keep = meta.get("keep")
     out = []
     for i, entry in enumerate(value):
-        got = read_value(entry, item, f"{where}[{i}]", meta, strict)
+        got = item(entry, f"{where}[{i}]", strict)
         if got is not _WRONG and (keep is None or keep(got)):
             out.append(got)  # lenient: an entry of another type is left out
     return out
 
 
-def _read_dict(value: Any, item: Any, where: str, meta: Mapping[str, Any], strict: bool) -> Any:
-    limit = meta.get("items", MAX_COUNT)
+def _read_dict(keys: Reader, item: Reader, limit: int, value: Any, where: str, strict: bool) -> Any:
     if not isinstance(value, dict) or (strict and len(value) > limit):
         return _refuse(strict, f"{where} is not an object of at most {limit} entries")
-    key_meta = {"choices": meta["keys"]} if "keys" in meta else {}
     out = {}
     for key, entry in value.items():
-        name = _read_text(key, where, key_meta, strict)
-        got = read_value(entry, item, f"{where}.{key}", meta, strict)
+        name = keys(key, where, strict)
+        got = item(entry, f"{where}.{key}", strict)
         if name is not _WRONG and got is not _WRONG:
             out[name] = got
     return out
+
+
+def _read_object_at(cls: type, value: Any, where: str, strict: bool) -> Any:
+    return read_object(value, cls, where, strict)
 
 
 def read_object(value: Any, cls: type, where: str, strict: bool) -> Any:
@@ -239,13 +281,12 @@ def read_object(value: Any, cls: type, where: str, strict: bool) -> Any:
     values = {}
     for f in declared_fields(cls):
         entry = value.get(f.name)
-        required = f.meta.get("required", False)
-        if entry is None and not (strict and required):
+        if entry is None and not (strict and f.required):
             got = _WRONG
         else:
-            got = read_value(entry, f.kind, f"{where}.{f.name}", f.meta, strict)
+            got = f.read(entry, f"{where}.{f.name}", strict)
         if got is _WRONG:
-            if required:
+            if f.required:
                 raise SchemaError(_missing(cls, where))
             got = f.default()
         values[f.name] = got
@@ -254,11 +295,7 @@ def read_object(value: Any, cls: type, where: str, strict: bool) -> Any:
 
 def _missing(cls: type, where: str) -> str:
     """``"tests[0] has no 'nodeid' and 'outcome'"``, ``"tests[0].ranks[0] has no integer 'rank'"``."""
-    names = [
-        ("integer " if f.kind is int else "") + repr(f.name)
-        for f in declared_fields(cls)
-        if f.meta.get("required")
-    ]
+    names = [("integer " if f.kind is int else "") + repr(f.name) for f in declared_fields(cls) if f.required]
     return f"{where} has no {' and '.join(names)}"
 
 
