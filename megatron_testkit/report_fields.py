@@ -1,12 +1,13 @@
 """The report's field declarations and the one reader that walks them (attrs' lesson, stdlib only).
 
 Each report dataclass states a field once: its type in the annotation, its bounds in
-``dataclasses.field(metadata=bounds(...))``. `read_value` walks ``dataclasses.fields()`` and
+``dataclasses.field(metadata=bounds(...))``. `read_object` walks ``dataclasses.fields()`` and
 the type hints (``X | None``, ``list[X]``, ``dict[str, X]``, ``Literal[...]``, nested dataclasses,
-``bool``/``int``/``float``/``str``, ``Any``) in one of two modes: strict, for a report read back
-(a field of another type or past its bound is a `SchemaError` naming its path, ``tests[3].ranks[1]
-.rank``), and lenient, for the kit's own JSON and older versions (a mistyped value reads as the
-field's default; a missing required field is still refused). `megatron_testkit.schema` declares the
+``bool``/``int``/``float``/``str``, ``Any``), building each field's reader once, in one of two
+modes: strict, for a report read back (a field of another type or past its bound is a
+`SchemaError` naming its path, ``tests[3].ranks[1].rank``), and lenient, for the kit's own JSON
+and older versions (a mistyped value reads as the field's default, a list's mistyped entry is left
+out, bounds are not applied; a missing required field is still refused). `megatron_testkit.schema` declares the
 fields; `megatron_testkit.memory_series` declares `RankMemory`'s.
 """
 

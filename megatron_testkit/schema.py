@@ -451,7 +451,7 @@ def _check_session(session: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in declared_fields(Session):
         if session.get(f.name) is not None:
-            read_value(session[f.name], f.kind, f"session.{f.name}", f.meta, strict=True)
+            f.read(session[f.name], f"session.{f.name}", True)
             out[f.name] = session[f.name]
     counts = session.get("outcome_counts")
     if counts is not None:
