@@ -5,13 +5,15 @@ series bounded while the launch runs (past `RAW_POINTS` neighbouring samples mer
 larger value kept, so a peak is never smoothed away) and hands each launch's series down to at most
 `POINTS_PER_LAUNCH` points a rank. `bound_total` then holds a whole report under
 `MAX_REPORT_POINTS` points (a few MiB of JSON, far inside the report's 32 MiB cap) by merging every
-series further, in the same way. Stdlib only.
+series further, in the same way. Stdlib only (its bounds are declared through `megatron_testkit.report_fields`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from megatron_testkit.report_fields import BYTES, RANK, bounds
 
 # What the charts draw per launch and rank: a few hundred points resolve a run of minutes.
 POINTS_PER_LAUNCH = 200
@@ -30,9 +32,11 @@ SAMPLE_EVERY_S = 0.1
 class RankMemory:
     """One rank's RSS over a launch: ``t_s[i]`` seconds after spawn, ``rss_bytes[i]`` there."""
 
-    rank: int
-    t_s: list[float] = field(default_factory=list)
-    rss_bytes: list[int] = field(default_factory=list)
+    rank: int = field(metadata=bounds(range=RANK, required=True))
+    t_s: list[float] = field(default_factory=list, metadata=bounds(items=MAX_SERIES_POINTS, required=True))
+    rss_bytes: list[int] = field(
+        default_factory=list, metadata=bounds(items=MAX_SERIES_POINTS, range=BYTES, required=True)
+    )
 
     @property
     def points(self) -> int:

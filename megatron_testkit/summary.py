@@ -19,7 +19,7 @@ from pathlib import Path
 from accounting.json_input import JsonInputError, printable, read_regular_file
 from megatron_testkit.charts import memory_charts_markdown
 from megatron_testkit.golden_candidates import missing_golden_markdown
-from megatron_testkit.report_input import ReportError, load_report
+from megatron_testkit.report_input import ReportError, read_report
 from megatron_testkit.verdicts import failed_tests, verdict
 
 REPORT_JSON, REPORT_MARKDOWN = "kit-report.json", "kit-report.md"
@@ -133,7 +133,7 @@ def annotations(reports: Path, limit: int = MAX_ANNOTATIONS) -> list[str]:
     (``line=``: the test function's, where the report has it), the first `limit` of them, then one
     line that counts the rest. Empty when the report is missing or unusable (the summary says why)."""
     try:
-        report = load_report(reports / REPORT_JSON)
+        report = read_report(reports / REPORT_JSON)
     except ReportError:
         return []
     failed = failed_tests(report)
@@ -145,9 +145,8 @@ def annotations(reports: Path, limit: int = MAX_ANNOTATIONS) -> list[str]:
         message = printable(v.first_line, 600) or f"{v.outcome} (see the job's kit report)"
         path = v.nodeid.split("::", 1)[0]
         where = f"file={_property(printable(path, 300))}," if path.endswith(".py") else ""
-        line = test.get("line")  # the test function's line; absent in reports before version 4
-        if where and isinstance(line, int) and not isinstance(line, bool) and line > 0:
-            where += f"line={line},"
+        if where and test.line is not None:  # the test function's line (1 or more; version 4 on)
+            where += f"line={test.line},"
         lines.append(f"::error {where}title={_property(title)}::{_data(message)}")
     if len(failed) > limit:
         lines.append(

@@ -1,8 +1,9 @@
 """Reads a kit report (`reports/kit-report.json`) and states, per failed test, what went wrong.
 
 The report is written by the kit's plugin; its schema (field names, `REPORT_VERSION`) is defined
-once, typed, in `megatron_testkit.schema`, and read through `megatron_testkit.report_input` (bounded, checked,
-fail closed); text from a report is escaped before it is printed. A verdict is the line a developer needs first: which test, which rank, `oom | error |
+once, typed, in `megatron_testkit.schema`, and read through `megatron_testkit.schema.read_report`
+(bounded, checked, fail closed) into a typed `Report`, whose `TestEntry` rows the verdicts read as
+they are; text from a report is escaped before it is printed. A verdict is the line a developer needs first: which test, which rank, `oom | error |
 crash | hang`, the first error line, and the peak memory against the budget. Reading is strict
 about what it needs (a report that cannot be used is a `ReportError` with one line saying why) and
 lenient about the rest (missing optional fields print as "-").
@@ -24,7 +25,7 @@ from megatron_testkit.budgets import format_size
 from megatron_testkit.report_input import ReportError as ReportError
 from megatron_testkit.report_input import load_report as load_report
 from megatron_testkit.report_input import printable
-from megatron_testkit.schema import TestEntry
+from megatron_testkit.schema import Report, TestEntry
 
 # What repro reruns: a failure, and a test the session was stopped in (CI cancel, Ctrl-C), which
 # never got to pass.
@@ -37,21 +38,34 @@ MAX_FIRST_LINE_CHARS = 2000  # a first line longer than this is clipped
 MAX_MESSAGE_CHARS = 2**16  # of an element's text, what is searched for its first line
 
 
-def failed_tests(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The report's failed, errored and interrupted tests, in report order, each node id once."""
-    seen: dict[str, dict[str, Any]] = {}
-    for test in report["tests"]:
-        if test["outcome"] in FAILED and test["nodeid"] not in seen:
-            seen[test["nodeid"]] = test
+def _rows(report: Report | Mapping[str, Any]) -> list[Any]:
+    return report.tests if isinstance(report, Report) else report["tests"]
+
+
+def _id_and_outcome(test: TestEntry | Mapping[str, Any]) -> tuple[str, str]:
+    if isinstance(test, TestEntry):
+        return test.nodeid, test.outcome
+    return test["nodeid"], test["outcome"]
+
+
+def failed_tests(report: Report | Mapping[str, Any]) -> list[Any]:
+    """The report's failed, errored and interrupted tests, in report order, each node id once (its
+    rows as they are: `TestEntry` of a `Report`, objects of a report as JSON)."""
+    seen: dict[str, Any] = {}
+    for test in _rows(report):
+        nodeid, outcome = _id_and_outcome(test)
+        if outcome in FAILED and nodeid not in seen:
+            seen[nodeid] = test
     return list(seen.values())
 
 
-def tests_by_id(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def tests_by_id(report: Report | Mapping[str, Any]) -> dict[str, Any]:
     """Node id -> test entry; a failed phase (setup/teardown error) wins over a passed one."""
-    out: dict[str, dict[str, Any]] = {}
-    for test in report["tests"]:
-        if test["nodeid"] not in out or test["outcome"] in FAILED:
-            out[test["nodeid"]] = test
+    out: dict[str, Any] = {}
+    for test in _rows(report):
+        nodeid, outcome = _id_and_outcome(test)
+        if nodeid not in out or outcome in FAILED:
+            out[nodeid] = test
     return out
 
 
@@ -200,12 +214,16 @@ def junit_first_lines(
     return lines.found
 
 
-def verdict(test: dict[str, Any], junit: dict[tuple[str, str], str] | None = None) -> Verdict:
-    """The verdict of one report entry; the failing rank's peaks when the failure names a rank.
+def verdict(test: TestEntry | Mapping[str, Any], junit: dict[tuple[str, str], str] | None = None) -> Verdict:
+    """The verdict of one report entry (a typed row, or one as JSON, read leniently); the failing
+    rank's peaks when the failure names a rank.
 
     Without a rank failure, the first line comes from `junit` (see `junit_first_lines`).
     """
-    entry = TestEntry.from_json(test)
+    if isinstance(test, TestEntry):
+        entry, world_size = test, _int(test.world_size)
+    else:  # a row as JSON: a world size it lacks stays unknown (the typed row reads it as 0)
+        entry, world_size = TestEntry.from_json(test, "test"), _int(test.get("world_size"))
     failure = entry.failure
     rank = failure.rank if failure else None
     peak_host, peak_device = entry.peak_host_bytes, entry.peak_device_bytes
@@ -237,7 +255,7 @@ def verdict(test: dict[str, Any], junit: dict[tuple[str, str], str] | None = Non
         budget_host=entry.budget_host_bytes,
         peak_device=peak_device,
         budget_device=entry.budget_device_bytes,
-        world_size=_int(test.get("world_size")),
+        world_size=world_size,
         seed=entry.seed,
         at_s=at_s if entry.outcome in FAILED else None,
     )
