@@ -73,7 +73,7 @@ def bounds(
     or an object's entries; default `MAX_COUNT`), `choices` (the text allowed), `keys` (an object's
     keys allowed); a list's item bounds apply to each of its items. `required`: a row cannot do
     without it (null is not absent); `read`: the field's type reads itself (``read(value, where)``,
-    raising `SchemaError`); `keep`: which items of a list are kept; `empty_is_none`: empty text
+    raising `SchemaError`); `keep`: which items of a list are kept (read leniently, one that cannot be read is dropped too); `empty_is_none`: empty text
     reads as None."""
     given = {
         "range": range,
@@ -246,7 +246,12 @@ def _read_list(
         return _refuse(strict, f"{where} is not a list of at most {limit} entries")
     out = []
     for i, entry in enumerate(value):
-        got = item(entry, f"{where}[{i}]", strict)
+        try:
+            got = item(entry, f"{where}[{i}]", strict)
+        except SchemaError:
+            if strict or keep is None:
+                raise
+            continue  # lenient, a list that filters its entries: one it cannot read is left out too
         if got is not _WRONG and (keep is None or keep(got)):
             out.append(got)  # lenient: an entry of another type is left out
     return out

@@ -160,7 +160,7 @@ class Run(JsonRecord):
     failure: Failure | None = None
     leaked_processes: int = field(default=0, metadata=bounds(range=COUNT))
     # The ranks' own CUDA device (the lowest rank that used one; None on CPU) and the golden
-    # platform they named (`megatron_testkit.golden.launch_platform`); absent in older reports.
+    # platform they named (`megatron_testkit.platforms.launch_platform`); absent in older reports.
     device: str | None = None
     platform: str | None = None
     # Seconds the launch waited for the session's admission ledger, and the bytes it was admitted
@@ -310,7 +310,7 @@ class CpuSubstitution(JsonRecord):
 
 @dataclass
 class SessionRef(JsonRecord):
-    """One session of a report folder that several sessions shared (`megatron_testkit.report_merge`):
+    """One session of a report folder that several sessions shared (`megatron_testkit.session_merge`):
     who it was, and which rows are its own (``tests[first_test : first_test + tests]``)."""
 
     started: str

@@ -149,3 +149,20 @@ def test_a_rank_past_the_largest_world_size_is_refused_in_every_class_that_names
     with pytest.raises(SchemaError) as excinfo:
         check_report(_report(**row))
     assert str(excinfo.value) == f"{where} is not an integer in [0, 65535]"
+
+
+def test_the_lenient_reader_drops_a_memory_series_it_cannot_read_and_keeps_the_others() -> None:
+    # The kit's own report of an earlier version is read leniently: a rank's series that lacks its
+    # rank, or whose times are not a list, is left out (as is one whose lengths differ), never the
+    # whole report; read strictly (a report from a file), the same series is an error by path.
+    from megatron_testkit.schema import Report
+
+    good = {"rank": 1, "t_s": [0.5], "rss_bytes": [10]}
+    launch = {"world_size": 2, "backend": "gloo", "seed": 0, "duration_s": 1.0}
+    for bad in ({"t_s": [1.0], "rss_bytes": [1]}, {"rank": 0, "t_s": "no", "rss_bytes": [1]}):
+        row = {"nodeid": "t.py::a", "outcome": "passed", "launches": [{**launch, "memory": [bad, good]}]}
+        data = {"version": 5, "tests": [row]}
+        memory = Report.from_json(data).tests[0].launches[0].memory
+        assert memory is not None and [(m.rank, m.t_s, m.rss_bytes) for m in memory] == [(1, [0.5], [10])]
+        with pytest.raises(SchemaError, match=r"tests\[0\]\.launches\[0\]\.memory\[0\]"):
+            check_report(data)
