@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.inner_session import REPO_ROOT, inner_env
+from fixtures.inner_session import REPO_ROOT, inner_env, run_inner_session
 
 SUITE = REPO_ROOT / "fixtures" / "torchrun_suite"
 TESTS = "torchrun_suite/test_suite_groups.py"
@@ -121,3 +121,38 @@ def test_an_eight_rank_test_goes_through_admission_and_passes(tmp_path: Path) ->
     # stands in the ledger, and under this repository's CI the ledger is the enclosing session's.
     assert run["report"]["session"]["admission_peak_bytes"] >= 8 * share
     assert sorted(line.split()[1] for line in run["fixture_log"]) == [str(r) for r in range(8)]
+
+
+# Two tests that skip inside their ranks: one declares its capability through the kit, one does not.
+SKIPPING = """
+import pytest
+
+from megatron_testkit import skips
+
+
+def test_declared():
+    skips.skip("cuda", "no CUDA device here")
+
+
+def test_free_text():
+    pytest.skip("just because")
+"""
+
+
+@pytest.mark.L0
+def test_a_skip_inside_the_ranks_keeps_the_capability_it_declares(tmp_path: Path) -> None:
+    # The rank's reason reaches the launching session as the test wrote it (not "Skipped: needs
+    # cuda: ..."), so the skip policy reads its capability: allowed here, while the free-text skip
+    # is still refused as undeclared (by the rank's own session, which applies the same policy).
+    run = run_inner_session(
+        tmp_path,
+        "test_skipping.py",
+        SKIPPING,
+        "-o",
+        "kit_ranks_per_test=2",
+        env={"KIT_ALLOWED_SKIPS": "cuda"},
+    )
+    declared, free = run["rows"]["test_declared"], run["rows"]["test_free_text"]
+    assert (declared["outcome"], declared["skip_capability"]) == ("skipped", "cuda"), run["output"][-3000:]
+    assert free["outcome"] == "failed", run["output"][-3000:]
+    assert "a skip must declare the capability it needs" in run["output"]

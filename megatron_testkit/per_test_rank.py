@@ -41,8 +41,10 @@ class _Outcome:
         elif report.skipped and hasattr(report, "wasxfail"):
             self.xfailed = str(report.wasxfail or "xfailed")
         elif report.skipped:
-            longrepr = report.longrepr
-            self.skipped = str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
+            from megatron_testkit.skips import skip_reason
+
+            # The test's own reason, so the launching session reads the capability it declares.
+            self.skipped = skip_reason(report)
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:

@@ -158,6 +158,13 @@ def skip_text(report: Any) -> str:
     return str(longrepr or "")
 
 
+def skip_reason(report: Any) -> str:
+    """The reason as the test gave it: the report's text without the ``Skipped: `` pytest puts
+    before it (a reason handed on to another ``pytest.skip`` would otherwise carry it twice)."""
+    text = skip_text(report)
+    return text[len("Skipped: ") :] if text.startswith("Skipped: ") else text
+
+
 def verdict(capability: str | None, allowed: frozenset[str] | None) -> str | None:
     """Why a skip fails the job under ``allowed`` (None: the skip stands)."""
     if allowed is None:
