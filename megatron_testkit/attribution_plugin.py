@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -67,8 +67,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def rss() -> int:
-    """The pytest process' resident memory now, in bytes."""
+    """The pytest process' resident memory now, in bytes, once the C allocator has handed back the
+    free pages it keeps (glibc's ``malloc_trim``): a test's growth is then memory still held, not
+    the freed tensors' pages that malloc's arenas keep or not depending on the order tests ran in
+    (measured: one test's 4 MiB temporaries left +2 MiB in one run, +42 MiB in another)."""
+    _trim_free_heap()
     return psutil.Process().memory_info().rss
+
+
+def _free_heap_trimmer() -> Callable[[], object]:
+    """glibc's ``malloc_trim(0)``, or a no-op where the C library has none (musl, macOS)."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+_trim_free_heap = _free_heap_trimmer()
 
 
 def taken_substitutions() -> dict[str, int]:
