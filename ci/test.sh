@@ -18,6 +18,12 @@ cd "$(dirname "$0")/.."
 tier=${1:-L0}
 shift || true
 py=$(bash ci/setup.sh)
+# The suite starts hundreds of interpreters (nested sessions, warm parents, cold ranks, CLI
+# commands), and where Python may not write bytecode (PYTHONDONTWRITEBYTECODE, set on the CI
+# machines) each compiled this repository's modules again: a fifth of a launcher test file's CPU.
+# Compiled once here instead (compileall skips what is up to date; Python checks each source's
+# mtime, so an edited file is never run stale). A syntax error is left for pytest to report.
+"$py" -m compileall -q -j 0 megatron_testkit accounting ci fixtures unit functional conftest.py >/dev/null 2>&1 || true
 case "$tier" in
   L0|L1|L2) select=(-m "$tier") ;;
   all|bench) select=() ;;

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.inner_session import inner_env
+from fixtures.inner_session import WITHOUT_HYPOTHESIS, inner_env
 
 pytestmark = pytest.mark.L1  # two megatron-core ranks through a pipeline schedule: about a minute
 
@@ -32,7 +32,7 @@ def test_the_pipeline_parallel_example_of_the_docs_runs_and_passes(tmp_path: Pat
     env = inner_env()
     env.pop("PYTEST_XDIST_WORKER", None)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kit-report=reports"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *WITHOUT_HYPOTHESIS, "--kit-report=reports"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

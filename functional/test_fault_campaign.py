@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from fixtures import faults
-from fixtures.inner_session import inner_env
+from fixtures.inner_session import WITHOUT_HYPOTHESIS, inner_env
 from megatron_testkit import skips
 
 pytestmark = pytest.mark.L2
@@ -100,7 +100,17 @@ def _run_inner(root: Path, trials: list[faults.Trial], mode: str, *pytest_args: 
     # Generous: every trial is bounded by run_ranks' own timeouts; this only guards the session.
     budget_s = 120 + len(trials) * (HANG_TIMEOUT + 60)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *pytest_args, "test_trials.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            *WITHOUT_HYPOTHESIS,
+            "-q",
+            *pytest_args,
+            "test_trials.py",
+        ],
         cwd=root,
         env=env,
         capture_output=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.inner_session import run_inner_session
+from fixtures.inner_session import WITHOUT_HYPOTHESIS, run_inner_session
 from megatron_testkit import heartbeat
 
 pytestmark = pytest.mark.L1
@@ -81,7 +81,7 @@ def test_a_progress_line_after_pytests_dots_starts_on_a_new_line(tmp_path: Path)
     (tmp_path / "test_inner.py").write_text(source)
     env = {**inner_env(), "KIT_HEARTBEAT": "2"}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_inner.py"],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *WITHOUT_HYPOTHESIS, "test_inner.py"],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,

@@ -335,7 +335,7 @@ def test_a_full_disk_at_the_sessions_start_is_a_usage_error_not_an_internal_erro
     env = inner_env({**os.environ, "TMPDIR": str(tmp_path / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"})
     env.pop("KIT_ADMISSION_DIR", None)  # a session of its own: it creates its ledger, then joins it
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_inner.py"],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *WITHOUT_HYPOTHESIS, "test_inner.py"],
         cwd=tmp_path, env=env, preexec_fn=small_files, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     output = done.stdout + done.stderr

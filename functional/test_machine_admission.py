@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.inner_session import inner_env
+from fixtures.inner_session import WITHOUT_HYPOTHESIS, inner_env
 
 SESSION = textwrap.dedent(
     """
@@ -71,7 +71,7 @@ def _start(root: Path, me: str, machine: Path, stamps: Path, spans: Path) -> sub
     folder.mkdir()
     (folder / "test_hold.py").write_text(SESSION)
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "test_hold.py"],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *WITHOUT_HYPOTHESIS, "-p", "no:randomly", "test_hold.py"],
         cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
@@ -113,7 +113,7 @@ def test_a_session_inside_a_test_keeps_its_private_ledger(tmp_path: Path) -> Non
     env.update({"OUT": str(tmp_path / "out"), "KIT_MACHINE_ADMISSION_DIR": str(tmp_path / "machine")})
     assert os.environ["KIT_OUTER_SESSION"]  # this test runs below a kit session: the inner one is nested
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_env.py"],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *WITHOUT_HYPOTHESIS, "test_env.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.inner_session import REPO_ROOT, inner_env, run_inner_session
+from fixtures.inner_session import REPO_ROOT, WITHOUT_HYPOTHESIS, inner_env, run_inner_session
 
 SUITE = REPO_ROOT / "fixtures" / "torchrun_suite"
 TESTS = "torchrun_suite/test_suite_groups.py"
@@ -33,7 +33,16 @@ def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict[
         (project / "pytest.ini").write_text(INI)
     reports = tmp_path / "reports"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--kit-report={reports}", *args],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            *WITHOUT_HYPOTHESIS,
+            f"--kit-report={reports}",
+            *args,
+        ],
         cwd=project,
         env={**inner_env(), "SUITE_FIXTURE_LOG": str(tmp_path / "fixtures.log"), **(env or {})},
         capture_output=True,

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fixtures.inner_session import run_inner_session
+from fixtures.inner_session import WITHOUT_HYPOTHESIS, run_inner_session
 from megatron_testkit import admission, attribution, machine_ledger, warm_start
 from megatron_testkit.ranks import run_ranks
 
@@ -312,7 +312,16 @@ def test_pytest_killed_with_9_takes_the_warm_parent_and_its_ranks_within_a_secon
     (tmp_path / "test_inner.py").write_text(SLEEPING)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "KIT_ADMISSION"))}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={tmp_path / 'base'}"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *WITHOUT_HYPOTHESIS,
+            f"--basetemp={tmp_path / 'base'}",
+        ],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.DEVNULL,

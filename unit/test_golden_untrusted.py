@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.inner_session import run_inner_session
+from fixtures.inner_session import WITHOUT_HYPOTHESIS, run_inner_session
 from megatron_testkit import golden_plugin
 from megatron_testkit.metrics import (
     EXACT,
@@ -158,7 +158,7 @@ def test_a_platform_with_dotdot_writes_no_candidate_outside_the_tests_folder(
 def test_kit_golden_platform_with_dotdot_is_a_usage_error_at_start(tmp_path: Path) -> None:
     (tmp_path / "test_a.py").write_text("def test_a():\n    pass\n")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_a.py"],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *WITHOUT_HYPOTHESIS, "test_a.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
         env={**os.environ, "KIT_GOLDEN_PLATFORM": "../x", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
