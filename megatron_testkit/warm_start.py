@@ -431,7 +431,7 @@ def _charge_ledgers(pid: int, preload: tuple[str, ...]) -> list[tuple[Any, Any]]
 
 
 class WarmStarting(Exception):
-    """The warm parent is still importing its preload set: this launch starts cold."""
+    """The warm parent is still importing its preload set (asked with ``wait=False``)."""
 
 
 STARTING = "the warm parent is still starting (importing its preload set)"
@@ -491,9 +491,8 @@ def parent_for(
     """The warm parent for ``preload``: the xdist controller's when this is a worker (asked through
     its broker, `megatron_testkit.warm_broker`), else this process' own (``environ``: the
     environment it starts with, default this process'). One that is missing or died is started in
-    the background; ``wait=False`` (a launch's request) then raises `WarmStarting` at once (a launch
-    does not wait for torch's import: it starts cold), ``wait=True`` waits for it. `WarmRefused`
-    when it cannot start.
+    the background; ``wait=False`` then raises `WarmStarting` at once, ``wait=True`` waits for it
+    (a launch does: `plan`). `WarmRefused` when it cannot start.
 
     A parent that a preloaded module made unsafe to fork from (`WarmParent.unsafe`) is rebuilt
     without that module when a launch first asks for it; until the new one is up, launches get
@@ -732,7 +731,13 @@ def plan(
     if MEGATRON_PRELOAD not in preload and imports_megatron(fn):
         preload = (*preload, MEGATRON_PRELOAD)
     try:
-        parent = parent_for(preload, wait=False)
+        try:
+            parent = parent_for(preload, wait=False)
+        except WarmStarting:
+            # A cold start would import the same modules in every rank, beside the parent's own
+            # import: on a busy machine that is (ranks + 1) imports for one launch. Waiting for the
+            # parent costs no more wall time than its import, which each cold rank pays too.
+            parent = parent_for(preload, wait=True)
     except (WarmRefused, WarmStarting) as exc:
         return StartPlan(None, str(exc))
     reason = env_refusal(rank_env, parent.env)
