@@ -421,7 +421,9 @@ RACER = textwrap.dedent(
 # The launcher dies right after spawning, before its rank could ask the kernel to die with it:
 # `_Launch.start` returns once the rank process exists, and the rank then needs hundreds of
 # milliseconds of imports before it registers. Making pytest die in that window by chance is
-# not repeatable; exiting there on purpose is.
+# not repeatable; exiting there on purpose is. The launch is cold (KIT_WARM_START=0): the window is a
+# spawned rank's. A rank forked from the warm parent has nothing left to import, and dies with
+# that parent, which dies with its owner (functional/test_warm_start.py).
 LAUNCHER = textwrap.dedent(
     """
     import os, sys
@@ -442,7 +444,7 @@ def test_a_rank_whose_launcher_died_before_it_registered_runs_nothing(tmp_path: 
     ran = tmp_path / "ran"
     out = subprocess.run(
         [sys.executable, "-c", LAUNCHER, str(tmp_path), str(ran)],
-        env=inner_env(),
+        env={**inner_env(), "KIT_WARM_START": "0"},
         capture_output=True,
         text=True,
         timeout=120,
