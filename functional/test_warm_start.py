@@ -161,6 +161,23 @@ def test_a_preload_that_fails_to_import_is_reported_and_the_parent_serves_withou
     assert "preload failed: kit_no_such_module_anywhere (ModuleNotFoundError" in (run.start_reason or "")
 
 
+def test_a_launch_waits_for_a_parent_still_starting_and_keeps_its_whole_start_up_timeout(
+    own_parents: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first launch finds the parent importing (a preload that takes 6 s) and waits for it
+    rather than start its ranks cold beside it. The wait is not the ranks' start-up: their 5 s
+    timeout counts from the fork (it used to count from the request, so the wait alone timed the
+    launch out). 5 s is over 30x a forked rank's start here (setup_s ~0.13 s on the CPU runner)."""
+    (tmp_path / "kit_slow_import.py").write_text("import time\ntime.sleep(6)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KIT_WARM_PRELOAD", "kit_slow_import")
+    results = run_ranks(where_am_i, 2, timeout=5)
+    run = _last_run()
+    assert run.start_mode == "warm", run.start_reason
+    assert {ppid for _pid, ppid, _i, _t in results} <= warm_start.parent_pids()
+    assert run.setup_s is not None and run.setup_s > 6  # the wait is in the launch's start time
+
+
 def test_a_thread_started_in_the_parent_falls_back_to_cold_with_the_reason(
     own_parents: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

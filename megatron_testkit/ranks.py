@@ -595,6 +595,8 @@ class _Launch:
         # Before this process adopts orphans: a warm parent started now is no orphan of the launch.
         plan = warm_start.plan(envs[0], fresh_interpreter=self.fresh_interpreter, fn=self.fn)
         self.start_mode, self.start_reason = plan.mode, plan.reason
+        # The start-up timeout counts from here: a wait for a warm parent still importing is not the ranks'.
+        self.forking = time.monotonic()
         cap = rank_log.log_cap()
         proctree.hold_subreaper()
         self.subreaper = True
@@ -644,7 +646,7 @@ class _Launch:
         up (spawn and imports are the machine's load, not the test's; they get a timeout of their
         own); True on a hang."""
         __tracebackhide__ = True  # an interrupt (pytest-timeout) lands here: show the test, not this
-        deadline = self.spawned + self.timeout
+        deadline = self.forking + self.timeout
         ready_at: float | None = None
         first_failure: float | None = None
         last_scan = last_position = 0.0
