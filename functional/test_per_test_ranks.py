@@ -159,9 +159,15 @@ def test_a_skip_inside_the_ranks_keeps_the_capability_it_declares(tmp_path: Path
         SKIPPING,
         "-o",
         "kit_ranks_per_test=2",
+        "-rs",
         env={"KIT_ALLOWED_SKIPS": "cuda"},
     )
     declared, free = run["rows"]["test_declared"], run["rows"]["test_free_text"]
     assert (declared["outcome"], declared["skip_capability"]) == ("skipped", "cuda"), run["output"][-3000:]
+    # The skip is placed at the test (its def line, as for a skip mark), not at the kit's own raise.
+    assert "SKIPPED [1] test_skipping.py:7: needs cuda: no CUDA device here" in run["output"], run["output"][
+        -3000:
+    ]
+    assert "per_test.py" not in run["output"], run["output"][-3000:]
     assert free["outcome"] == "failed", run["output"][-3000:]
     assert "a skip must declare the capability it needs" in run["output"]

@@ -25,7 +25,7 @@ import fnmatch
 import functools
 import os
 import socket
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -181,7 +181,7 @@ class PerTestRanks:
         )
         outcomes = {result["outcome"] for result in results}
         if outcomes == {"skipped"}:
-            pytest.skip(results[0]["reason"])
+            _skip(results[0]["reason"])
         if "xfailed" in outcomes:
             pytest.xfail(next(r["reason"] for r in results if r["outcome"] == "xfailed"))
 
@@ -206,8 +206,14 @@ def _set_up(item: pytest.Item) -> None:
     from megatron_testkit.marker_context import apply_test_markers
 
     for mark in item.iter_markers("skip"):
-        pytest.skip(str(mark.kwargs.get("reason", mark.args[0] if mark.args else "unconditional skip")))
+        _skip(str(mark.kwargs.get("reason", mark.args[0] if mark.args else "unconditional skip")))
     apply_test_markers(item)
+
+
+def _skip(reason: str) -> NoReturn:
+    """Skip at the test's own location (``-rs`` names the test's file and line, not this module's),
+    as pytest does for a skip mark: the skip itself happened in the ranks, out of this traceback."""
+    raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
 def _forwarded(args: list[str]) -> list[str]:
