@@ -732,13 +732,15 @@ def plan(
         preload = (*preload, MEGATRON_PRELOAD)
     try:
         try:
+            # Asked without waiting first: that is what starts the rebuild of an unsafe parent (this
+            # launch then goes cold with its refusal), where ``wait=True`` would wait for the rebuild.
             parent = parent_for(preload, wait=False)
         except WarmStarting:
             # A cold start would import the same modules in every rank, beside the parent's own
             # import: on a busy machine that is (ranks + 1) imports for one launch. Waiting for the
             # parent costs no more wall time than its import, which each cold rank pays too.
             parent = parent_for(preload, wait=True)
-    except (WarmRefused, WarmStarting) as exc:
+    except WarmRefused as exc:
         return StartPlan(None, str(exc))
     reason = env_refusal(rank_env, parent.env)
     if reason is not None:
