@@ -211,8 +211,9 @@ def _set_up(item: pytest.Item) -> None:
 
 
 def _skip(reason: str) -> NoReturn:
-    """Skip at the test's own location (``-rs`` names the test's file and line, not this module's),
-    as pytest does for a skip mark: the skip itself happened in the ranks, out of this traceback."""
+    """Skip at the test's own location (``-rs`` names the test's file and line, not the line of
+    pytest's runner the launcher raised from), as pytest does for a skip mark: the skip itself
+    happened in the ranks, out of this traceback."""
     raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
